@@ -131,6 +131,7 @@ class EvaluateConfig:
     repeats: int = 3
     warmup: int = 1
     prompts_per_set: Optional[int] = None  # None = every prompt in each eval set
+    max_prompt_tokens: int = 1024  # longer eval prompts are skipped (and counted in the report)
     seed: int = 0
 
 
@@ -244,6 +245,7 @@ def validate(cfg: DictConfig | Config) -> None:
     need(all(x >= 0 for x in e.temperatures), "evaluate.temperatures must be >= 0")
     need(0 < e.top_p <= 1, "evaluate.top_p must be in (0, 1]")
     need(all(b >= 1 for b in e.batch_sizes), "evaluate.batch_sizes must be >= 1")
+    need(e.max_prompt_tokens >= 1, "evaluate.max_prompt_tokens must be >= 1")
     need(e.repeats >= 1 and e.warmup >= 0, "evaluate.repeats must be >= 1 and evaluate.warmup >= 0")
     bad_refs = [r for r in e.references if r not in ("target", "init", "prompt_lookup", "hf_assisted")]
     need(not bad_refs, f"evaluate.references has unknown {bad_refs}; choose from target, init, prompt_lookup, hf_assisted")

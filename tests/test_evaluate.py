@@ -1,0 +1,251 @@
+"""The evaluate stage on tiny models: report fields carry the decoder's counters, draft == target gives
+α = 1 and τ = γ + 1, greedy mismatches fail loudly, drafts resolve from names and globs, bad input
+gives one clear message (exit 2), a broken checkpoint among many becomes an error row."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from distill import evaluate
+from distill.config import ConfigError
+from distill.tiny import tiny_draft, tiny_model, tiny_tokenizer
+from specdec.decoder import SpeculativeDecoder
+from specdec.metrics import SpecMetrics
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models are latency-bound; extra threads only fight other processes for the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def save_draft(path: Path, noise: float, tok=None) -> Path:
+    tiny_draft(tiny_model(seed=0), noise).save_pretrained(path)
+    (tok or tiny_tokenizer()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def run_root(tmp_path):
+    d = tmp_path / "runs" / "r" / "distill"
+    save_draft(d / "checkpoint-2", 0.05)
+    save_draft(d / "checkpoint-10", 0.0)
+    save_draft(d / "best", 0.0)
+    return tmp_path
+
+
+def make_cfg(root: Path, *overrides):
+    base = [
+        "model=tiny", "experiment=smoke", f"runs_root={root / 'runs'}", "run_name=r",
+        f"model.cache_dir={root / 'cache'}", "~eval_data.humaneval", "evaluate.prompts_per_set=2",
+        "evaluate.max_new_tokens=12", "evaluate.gammas=[3]", "evaluate.temperatures=[0.0]", "evaluate.repeats=1",
+        "evaluate.warmup=0", "evaluate.references=[target]", "evaluate.drafts=[best]",
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="evaluate", overrides=base + list(overrides))
+
+
+def read_report(root: Path) -> dict:
+    return json.loads((root / "runs" / "r" / "evaluate" / "report.json").read_text())
+
+
+def rows_of(report, name):
+    return [r for r in report["rows"] if r["name"] == name]
+
+
+def test_draft_equal_to_target_accepts_everything(run_root):
+    summary = evaluate.run(make_cfg(run_root))
+    report = read_report(run_root)
+    (row,) = rows_of(report, "best")
+    assert summary["greedy_identical"] and row["greedy_identical"] is True
+    assert row["acceptance_rate"] == 1.0 and row["draft_acceptance_ratio"] == 1.0
+    assert row["per_position_acceptance"] == [1.0, 1.0, 1.0]
+    assert row["teacher_forced_acceptance"] == pytest.approx(1.0, abs=1e-6)
+    c = row["counters"]
+    assert c["rejections"] == 0
+    if c["emitted"] == row["prompts"] * 12:  # no early stop token: every round emits γ + 1
+        assert row["tokens_per_target_call"] == 4.0
+    assert row["tokens_per_target_call"] == c["emitted"] / c["row_rounds"]
+    (target,) = rows_of(report, "target")
+    assert target["speedup"] == 1.0 and target["kind"] == "target"
+    assert report["best"]["name"] == "best" and report["best"]["gamma"] == 3
+
+
+SCRIPT = [(3, 3, False, 4), (3, 1, True, 2), (3, 0, True, 1), (3, 2, True, 3)]  # γ, accepted, rejected, emitted
+
+
+def test_report_carries_the_decoders_counters(run_root, monkeypatch):
+    real = SpeculativeDecoder.generate
+
+    def scripted(self, *a, **kw):
+        out = real(self, *a, **kw)
+        m = SpecMetrics(batch_size=out.metrics.batch_size, gamma=3, temperature=kw.get("temperature", 0.0))
+        for rec in SCRIPT:
+            m.record(*rec)
+        m.target_calls, m.draft_calls = len(SCRIPT), 9
+        m.draft_time_s, m.target_time_s, m.wall_time_s = 0.09, 0.4, 0.5
+        out.metrics = m
+        return out
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", scripted)
+    evaluate.run(make_cfg(run_root, f"evaluate.drafts=[{run_root}/runs/r/distill/checkpoint-2]"))
+    report = read_report(run_root)
+    (row,) = rows_of(report, "checkpoint-2")
+    batches = row["prompts"]  # batch size 1: one scripted metrics object per prompt
+    accepted, tried, proposed = 6, 6 + 3, 12
+    assert row["acceptance_rate"] == pytest.approx(accepted / tried)
+    assert row["draft_acceptance_ratio"] == pytest.approx(accepted / proposed)
+    assert row["tokens_per_target_call"] == pytest.approx(10 / 4)
+    # k=1 tried in 4 rounds, accepted in 3; k=2 tried 3, accepted 2; k=3 tried 2, accepted 1
+    assert row["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert row["accepted_length_histogram"] == [batches * n for n in (1, 1, 1, 1)]
+    assert row["counters"]["accepted"] == batches * accepted and row["counters"]["rejections"] == batches * 3
+    assert all(v["acceptance_rate"] == pytest.approx(accepted / tried) for v in row["by_category"].values())
+    assert row["cost_ratio"] == pytest.approx((0.09 / 9) / row["target_step_s"])
+    a, g, c = row["acceptance_rate"], 3, row["cost_ratio"]
+    assert row["predicted_speedup"] == pytest.approx((1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)))
+    # every number carries its settings, and every metric name has a definition
+    for key in ("eval_set", "temperature", "top_p", "gamma", "batch_size", "draft_sampled"):
+        assert key in row
+    for key in ("acceptance_rate", "draft_acceptance_ratio", "tokens_per_target_call", "per_position_acceptance",
+                "teacher_forced_acceptance", "cost_ratio", "tokens_per_s", "speedup", "speedup_spread",
+                "predicted_speedup", "greedy_identical", "by_category", "accepted_length_histogram"):
+        assert key in row and key in report["definitions"], key
+    assert set(report) >= {"target", "settings", "definitions", "rows", "greedy_identical", "best", "doctor"}
+
+
+def test_all_references_sampling_and_plots(run_root):
+    cfg = make_cfg(run_root, "evaluate.drafts=[checkpoints]", "evaluate.temperatures=[0.0,1.0]",
+                   "evaluate.gammas=[1,2]", "evaluate.references=[target,init,prompt_lookup,hf_assisted]",
+                   "evaluate.max_new_tokens=8")
+    evaluate.run(cfg)
+    report = read_report(run_root)
+    names = list(dict.fromkeys(r["name"] for r in report["rows"]))
+    assert names == ["target", "checkpoint-2", "checkpoint-10", "init", "prompt_lookup", "hf_assisted"]
+    hf = rows_of(report, "hf_assisted")
+    assert [r["gamma"] for r in hf] == [1, 2] and all(r["batch_size"] == 1 and r["temperature"] == 0 for r in hf)
+    assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 for r in hf)
+    sampled = [r for r in report["rows"] if r["temperature"] == 1.0 and r["kind"] == "model"]
+    assert sampled and all(r["greedy_identical"] is None and r["draft_sampled"] for r in sampled)
+    assert all(r["teacher_forced_acceptance"] is not None for r in sampled)
+    assert all(r["greedy_identical"] for r in report["rows"] if r["kind"] in ("model", "prompt_lookup")
+               and r["temperature"] == 0)
+    assert report["best"]["name"] in ("checkpoint-2", "checkpoint-10")
+    out = run_root / "runs" / "r" / "evaluate"
+    for p in ("per_position_acceptance", "speedup_vs_gamma", "acceptance_by_category", "accepted_length_histogram"):
+        png = (out / "plots" / f"{p}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, p
+    md = (out / "report.md").read_text()
+    assert "Best draft" in md and "α per category" in md and "checkpoint-10" in md
+
+
+def test_greedy_mismatch_fails_loudly(run_root, monkeypatch, capsys):
+    real = SpeculativeDecoder.generate
+
+    def buggy(self, *a, **kw):
+        out = real(self, *a, **kw)
+        j = min(3, len(out.tokens[0]) - 1)
+        out.tokens[0][j] = (out.tokens[0][j] + 1) % 259  # a decoder bug: one wrong token
+        return out
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", buggy)
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main_cli(make_cfg(run_root))
+    assert exc.value.code == evaluate.EXIT_GREEDY_MISMATCH != 0
+    err = capsys.readouterr()
+    assert "FAILED" in err.err and "GREEDY MISMATCH" in err.out
+    report = read_report(run_root)  # written before exiting
+    assert report["greedy_identical"] is False
+    (row,) = rows_of(report, "best")
+    assert row["greedy_identical"] is False and row["greedy_mismatches"][0]["gap"] >= evaluate.FLOAT_TIE_GAP
+    assert any(d["rule"] == "greedy_mismatch" and d["severity"] == "error" for d in report["doctor"])
+
+
+def test_resolve_drafts_names_globs_and_dedup(run_root):
+    d = run_root / "runs" / "r" / "distill"
+    cfg = make_cfg(run_root, f"evaluate.drafts=[checkpoints,best,'{d}/checkpoint-*']")
+    got = evaluate.resolve_drafts(cfg)
+    assert [n for n, _ in got] == ["checkpoint-2", "checkpoint-10", "best"]  # by step, each once
+    assert got[0][1] == str(d / "checkpoint-2")
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("evaluate.drafts=['{root}/nothing-*']", "matches no directory"),
+    ("evaluate.drafts=[{root}/no/such/dir]", "does not exist"),
+    ("model.target={root}/missing-target", "does not exist"),
+    ("model.target=no-such-model-anywhere", "could not be loaded"),
+    ("run_name=fresh", "'best' but"),
+])
+def test_bad_input_is_one_message_and_exit_2(run_root, capsys, override, needle):
+    cfg = make_cfg(run_root, override.format(root=run_root))
+    with pytest.raises(ConfigError, match=needle):
+        evaluate.run(cfg)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main_cli(cfg)
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0]
+
+
+def test_checkpoint_with_another_tokenizer_is_rejected(run_root, capsys):
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|other|>"]})
+    bad = save_draft(run_root / "other", 0.1, tok)
+    cfg = make_cfg(run_root, f"evaluate.drafts=[best,{bad}]")
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main_cli(cfg)
+    assert exc.value.code == 2
+    assert "do not share a tokenizer" in capsys.readouterr().err
+
+
+def test_broken_checkpoint_among_many_is_reported(run_root):
+    broken = run_root / "runs" / "r" / "distill" / "checkpoint-5"
+    save_draft(broken, 0.1)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    summary = evaluate.run(make_cfg(run_root, "evaluate.drafts=[checkpoints]"))
+    report = read_report(run_root)
+    (err,) = rows_of(report, "checkpoint-5")
+    assert err["error"] and err["draft"] == str(broken)
+    assert rows_of(report, "checkpoint-2") and rows_of(report, "checkpoint-10")
+    assert summary["greedy_identical"] and any(d["rule"] == "broken_draft" for d in report["doctor"])
+    assert "Not evaluated" in (run_root / "runs" / "r" / "evaluate" / "report.md").read_text()
+
+
+class FixedLogits(torch.nn.Module):
+    """A fake target whose next-token logits are the same everywhere: token 5 leads token 6 by `gap`."""
+
+    def __init__(self, gap: float):
+        super().__init__()
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.gap = gap
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, 10)
+        logits[..., 5], logits[..., 6] = 1.0 + self.gap, 1.0
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.mark.parametrize("gap,tie", [(5e-5, True), (0.5, False)])
+def test_greedy_divergence_is_a_float_tie_only_below_the_gap(gap, tie):
+    es = evaluate.EvalSet("s", [evaluate.Prompt("p0", "c", [1, 2]), evaluate.Prompt("p1", "c", [3])], 0)
+    reference, got = [[5, 5, 5], [5, 5]], [[5, 6, 6], [5, 5]]
+    bad, ties = evaluate.greedy_check(FixedLogits(gap), es, reference, got, vocab=10)
+    found = ties if tie else bad
+    assert (bad if tie else ties) == [] and len(found) == 1
+    assert found[0]["prompt_id"] == "p0" and found[0]["position"] == 1
+    assert found[0]["gap"] == pytest.approx(gap, rel=1e-2)
+    assert found[0]["expected"] == 5 and found[0]["got"] == 6
+
+
+def test_batches_never_mix_categories():
+    ps = [evaluate.Prompt(str(i), c, [i + 1]) for i, c in enumerate("aabab")]
+    es = evaluate.EvalSet("s", ps, 0)
+    assert es.batches(2) == [[0, 1], [3], [2, 4]]

@@ -1,0 +1,161 @@
+"""report.json -> report.md + plots without models, and each doctor rule on crafted numbers."""
+import json
+
+import pytest
+
+from distill import report as rpt
+from distill.doctor import diagnose
+
+
+def row(**kw):
+    """A healthy speculative row; tests change one number at a time."""
+    base = dict(
+        name="best", kind="model", draft="runs/r/distill/best", eval_set="mt_bench", temperature=0.0, top_p=1.0,
+        gamma=4, batch_size=1, acceptance_rate=0.8, draft_acceptance_ratio=0.7, tokens_per_target_call=3.4,
+        teacher_forced_acceptance=0.78, cost_ratio=0.1, tokens_per_s=50.0, speedup=2.2, speedup_spread=[2.1, 2.3],
+        predicted_speedup=2.4, per_position_acceptance=[0.8, 0.8, 0.8, 0.8], greedy_identical=True,
+        float_ties=[], greedy_mismatches=[], error=None, wall_time_s=1.0, draft_time_s=0.2, target_time_s=0.7,
+        prefill_time_s=0.05, verify_call_s=0.012, target_step_s=0.01,
+        by_category={"writing": {"acceptance_rate": 0.9}, "math": {"acceptance_rate": 0.7}},
+        accepted_length_histogram=[2, 3, 4, 5, 10],
+    )
+    return {**base, **kw}
+
+
+def rules(rows):
+    return {f["rule"] for f in diagnose(rows)}
+
+
+def test_healthy_numbers_raise_nothing():
+    assert diagnose([row(), row(gamma=2, per_position_acceptance=[0.8, 0.85])]) == []
+
+
+def test_draft_too_slow():
+    assert "draft_too_slow" in rules([row(speedup=0.9, cost_ratio=0.3)])
+    assert "draft_too_slow" not in rules([row(speedup=0.9, cost_ratio=0.1)])
+    assert "draft_too_slow" not in rules([row(speedup=1.2, cost_ratio=0.5, predicted_speedup=1.3)])
+    (f,) = [f for f in diagnose([row(speedup=0.9, cost_ratio=0.3)]) if f["rule"] == "draft_too_slow"]
+    assert "smaller draft" in f["message"] and f["severity"] == "warning"
+
+
+def test_low_acceptance():
+    (f,) = [f for f in diagnose([row(acceptance_rate=0.3)]) if f["rule"] == "low_acceptance"]
+    assert "distill longer" in f["message"] and "loss=" in f["message"] and "family" in f["message"]
+    assert "low_acceptance" not in rules([row(acceptance_rate=0.5)])
+
+
+def test_decoder_overhead_says_where_time_goes():
+    (f,) = [f for f in diagnose([row(speedup=1.5, predicted_speedup=2.4)]) if f["rule"] == "decoder_overhead"]
+    assert "draft 20%" in f["message"] and "target 70%" in f["message"] and "prefill 5%" in f["message"]
+    assert "1.20×" in f["message"]  # verify call vs one target step
+    assert "decoder_overhead" not in rules([row(speedup=2.0, predicted_speedup=2.4)])  # 83% of predicted
+
+
+def test_acceptance_falling_with_position_suggests_lower_gamma():
+    (f,) = [f for f in diagnose([row(per_position_acceptance=[0.9, 0.8, 0.6, 0.5])])
+            if f["rule"] == "acceptance_falls_with_position"]
+    assert "evaluate.gammas=[2]" in f["message"]
+    assert "acceptance_falls_with_position" not in rules([row(per_position_acceptance=[0.8, 0.85, 0.8, 0.82])])
+    assert "acceptance_falls_with_position" not in rules([row(per_position_acceptance=[0.5, 0.7, 0.9, 0.95])])
+    # deep positions tried only a few times are noise, not evidence
+    noisy = row(per_position_acceptance=[0.9, 0.85, 0.2, 0.0], counters={"tried_at": [100, 80, 5, 2]})
+    assert "acceptance_falls_with_position" not in rules([noisy])
+
+
+def test_temperature_effect():
+    greedy, sampled = row(acceptance_rate=0.8), row(temperature=1.0, acceptance_rate=0.5, greedy_identical=None)
+    (f,) = [f for f in diagnose([greedy, sampled]) if f["rule"] == "temperature_effect"]
+    assert "0.50 sampled vs 0.80 greedy" in f["message"]
+    assert "temperature_effect" not in rules([greedy, {**sampled, "acceptance_rate": 0.75}])
+    assert "temperature_effect" not in rules([greedy, {**sampled, "gamma": 2}])  # different γ: not comparable
+
+
+def test_greedy_mismatch_float_tie_and_broken_draft():
+    bad = row(greedy_identical=False, greedy_mismatches=[{"prompt_id": "p1", "position": 3, "gap": 2.5,
+                                                           "expected": 7, "got": 8}])
+    tie = row(float_ties=[{"prompt_id": "p2", "position": 9, "gap": 3e-5, "expected": 1, "got": 2}])
+    broken = {"name": "checkpoint-5", "kind": "model", "draft": "x", "error": "OSError: bad file"}
+    found = {f["rule"]: f for f in diagnose([bad, tie, broken])}
+    assert found["greedy_mismatch"]["severity"] == "error" and "p1" in found["greedy_mismatch"]["message"]
+    assert found["float_tie"]["severity"] == "info" and "3e-05" in found["float_tie"]["message"]
+    assert found["broken_draft"]["severity"] == "error"
+    assert [f["severity"] for f in diagnose([tie, bad, broken])][:2] == ["error", "error"]  # errors first
+
+
+def test_one_finding_per_rule_and_draft_worst_shown():
+    findings = diagnose([row(acceptance_rate=0.3), row(acceptance_rate=0.1, gamma=2)])
+    (f,) = [f for f in findings if f["rule"] == "low_acceptance"]
+    assert f["count"] == 2 and "α = 0.10" in f["message"] and "γ=2" in f["setting"]
+
+
+def crafted_report():
+    rows = [
+        row(name="target", kind="target", draft=None, gamma=0, acceptance_rate=None, speedup=1.0,
+            speedup_spread=[0.98, 1.02], predicted_speedup=None, per_position_acceptance=[], greedy_identical=None,
+            by_category={}, accepted_length_histogram=[]),
+        row(gamma=2, speedup=1.8, per_position_acceptance=[0.8, 0.8], accepted_length_histogram=[2, 3, 9]),
+        row(),
+        row(eval_set="humaneval", by_category={"humaneval": {"acceptance_rate": 0.85}}),
+        row(name="init", acceptance_rate=0.3, speedup=0.9, by_category={"writing": {"acceptance_rate": 0.2}}),
+        row(name="prompt_lookup", kind="prompt_lookup", draft=None, acceptance_rate=0.2, cost_ratio=0.01,
+            teacher_forced_acceptance=None, speedup=1.1, predicted_speedup=1.2),
+        {"name": "hf_assisted", "kind": "hf_assisted", "draft": "runs/r/distill/best", "eval_set": "mt_bench",
+         "temperature": 0.0, "top_p": 1.0, "gamma": 4, "batch_size": 1, "tokens_per_s": 30.0, "speedup": 1.4,
+         "speedup_spread": [1.3, 1.5], "greedy_identical": None, "error": None},
+        {"name": "checkpoint-5", "kind": "model", "draft": "runs/r/distill/checkpoint-5", "error": "OSError: bad"},
+    ]
+    return {
+        "target": "tiny", "run_name": "r",
+        "settings": {"device": "cpu", "dtype": "float32", "max_new_tokens": 64, "repeats": 3, "warmup": 1,
+                     "temperatures": [0.0], "batch_sizes": [1], "gammas": [2, 4],
+                     "eval_sets": {"mt_bench": {"prompts": 8}, "humaneval": {"prompts": 4}}},
+        "definitions": rpt.DEFINITIONS, "rows": rows, "greedy_identical": True,
+        "best": {"name": "best", "draft": "runs/r/distill/best", "gamma": 4, "temperature": 0.0, "top_p": 1.0,
+                 "batch_size": 1, "eval_sets": ["mt_bench", "humaneval"], "speedup": 2.2, "acceptance_rate": 0.8,
+                 "teacher_forced_acceptance": 0.78, "tokens_per_target_call": 3.4, "cost_ratio": 0.1,
+                 "predicted_speedup": 2.4, "init_speedup": 0.9, "prompt_lookup_speedup": 1.1,
+                 "hf_assisted_speedup": 1.4},
+        "doctor": diagnose(rows),
+    }
+
+
+def test_render_writes_markdown_and_nonempty_plots(tmp_path):
+    paths = rpt.render(crafted_report(), tmp_path)
+    for name in rpt.PLOTS:
+        data = (tmp_path / "plots" / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    md = (tmp_path / "report.md").read_text()
+    assert paths["report.md"] == str(tmp_path / "report.md")
+    assert "**Best draft: `best`**" in md and "2.20× speedup" in md and "transformers assisted generation" in md
+    assert "| draft | mt_bench/writing | mt_bench/math | humaneval |" in md
+    assert "| init | 0.20 | – | – |" in md
+    assert "Not evaluated" in md and "checkpoint-5" in md and "low_acceptance" in md
+    for name in rpt.PLOTS:
+        assert f"plots/{name}.png" in md
+
+
+def test_render_with_reference_rows_only(tmp_path):
+    rep = crafted_report()
+    rep["rows"], rep["best"], rep["doctor"] = rep["rows"][:1], None, []
+    rpt.render(rep, tmp_path)
+    assert all((tmp_path / "plots" / f"{n}.png").stat().st_size > 0 for n in rpt.PLOTS)
+    assert "No draft was evaluated" in (tmp_path / "report.md").read_text()
+
+
+def test_cli_rerenders_a_report(tmp_path, capsys):
+    path = tmp_path / "evaluate" / "report.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(crafted_report()))
+    rpt.main([str(path)])
+    out = capsys.readouterr().out
+    assert (path.parent / "report.md").is_file() and "speedup [min–max]" in out and "Best draft: best" in out
+    with pytest.raises(SystemExit) as exc:
+        rpt.main([str(tmp_path / "missing.json")])
+    assert exc.value.code == 2
+
+
+def test_summary_shows_greedy_failure(capsys):
+    rep = crafted_report()
+    rep["greedy_identical"] = False
+    rpt.print_summary(rep)
+    assert "GREEDY MISMATCH" in capsys.readouterr().out
