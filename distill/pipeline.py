@@ -1,0 +1,272 @@
+"""The whole path in one command: generate -> distill -> evaluate -> publish (a dry run by default).
+
+    python -m distill.pipeline model=tiny experiment=smoke        # seconds: random tiny models (tests)
+    python -m distill.pipeline experiment=smoke                   # minutes on 2 CPU cores: SmolLM2, CI-sized
+    python -m distill.pipeline experiment=default                 # the README run (< 40 min on 2 CPU cores)
+    python -m distill.pipeline -m experiment=smoke loss=fkl,rkl,jsd evaluate.gammas=[3],[5]   # a sweep
+
+Runs the stages in cfg.stages (in the order above) in this process, each through its own run(cfg):
+every stage is resumable, so a rerun skips what is complete and an interrupted run continues where it
+stopped. Ends with a results table (the target alone, the undistilled draft, the distilled draft and
+transformers assisted generation: α, τ, tokens/s, speedup at greedy, batch 1), printed and written to
+runs/<run>/results.md. With logger=wandb (offline unless wandb_mode=online) the table and headline
+numbers go to a W&B run in the group <run_name> (the distill stage logs its curves itself).
+
+Multirun (-m): each job gets its own run dir, named from its overrides (hydra's override_dirname,
+without runs_root; an explicit run_name=... becomes the prefix), so jobs never share outputs and a
+rerun of the same sweep resumes them. Each job adds its row to <sweep dir>/comparison.md (one row per
+run, under a file lock), so the table is complete when the last job ends.
+
+Multi-process distillation: the pipeline runs stages in one process. For the distill stage on several
+processes, run it alone first, then let the pipeline continue (it finds the distill stage complete):
+
+    accelerate launch --config_file conf/accelerate/cpu-2proc.yaml -m distill.train experiment=smoke
+    python -m distill.pipeline experiment=smoke
+"""
+from __future__ import annotations
+
+import copy
+import fcntl
+import hashlib
+import importlib
+import logging
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from distill.config import STAGES, ConfigError, run_dir, validate
+from distill.publish import fmt_num, pick
+from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
+
+log = logging.getLogger(__name__)
+
+# stage name -> the module whose run(cfg) does it
+MODULES = {"generate": "distill.generate", "distill": "distill.train", "evaluate": "distill.evaluate",
+           "publish": "distill.publish"}
+# report row name -> label, in table order
+ROWS = {"target": "target alone", "init": "undistilled draft (init)", "best": "distilled draft (best)",
+        "hf_assisted": "HF assisted generation", "prompt_lookup": "prompt lookup (no draft)"}
+HEADERS = ["eval set", "decoding", "γ", "α", "τ", "tokens/s", "speedup"]
+
+
+# ---------------------------------------------------------------- Hydra multirun
+
+
+def _hydra():
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def _is_multirun(hc) -> bool:
+    from hydra.types import RunMode
+
+    return hc is not None and hc.mode == RunMode.MULTIRUN
+
+
+def _slug(text: str, limit: int = 200) -> str:
+    """A run_name from override text: no '/', nothing a shell or file system dislikes, bounded length."""
+    s = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", re.sub(r"[\[\]'\"]", "", text)).strip("_.")
+    if len(s) > limit:
+        s = s[: limit - 9] + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return s
+
+
+def job_run_name(cfg: DictConfig, hc) -> str:
+    """The run dir name of one multirun job: its overrides, so each job writes to its own run dir."""
+    exclude = {"run_name", "runs_root", *hc.job.config.override_dirname.exclude_keys}
+    pairs = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in exclude]
+    explicit = any(o.split("=", 1)[0].lstrip("+") == "run_name" for o in hc.overrides.task)
+    dirname = _slug(",".join(sorted(pairs)))
+    if explicit:
+        return f"{cfg.run_name}-{dirname}" if dirname else str(cfg.run_name)
+    return dirname or str(cfg.run_name)
+
+
+def command_line(hc) -> str:
+    """The command that reproduces this run (for results.md)."""
+    args = list(hc.overrides.task) if hc is not None else []
+    return " ".join(["python -m distill.pipeline", *(shlex.quote(a) for a in args)])
+
+
+# ---------------------------------------------------------------- the results table
+
+
+def headline_rows(report: dict) -> tuple[list[dict], dict]:
+    """Rows of the results table: per eval set, the 4 reference kinds (+ prompt lookup) at greedy, batch 1
+    (or the closest evaluated setting) and the best draft's γ."""
+    rows = [r for r in report.get("rows", []) if not r.get("error") and r.get("eval_set")]
+    temps = {r.get("temperature") or 0.0 for r in rows}
+    sizes = {r.get("batch_size") or 1 for r in rows}
+    temp = 0.0 if 0.0 in temps or not temps else min(temps)
+    bs = 1 if 1 in sizes or not sizes else min(sizes)
+    best = report.get("best") or {}
+    gamma = best.get("gamma")
+    draft = best.get("name") if best.get("name") not in (None, "init") else "best"
+    order = {"target": 0, "init": 1, draft: 2, "hf_assisted": 3, "prompt_lookup": 4}
+    picked = [r for r in rows if r["name"] in order and (r.get("temperature") or 0.0) == temp
+              and (r.get("batch_size") or 1) == bs and (r["kind"] == "target" or gamma is None or r.get("gamma") == gamma)]
+    picked.sort(key=lambda r: (str(r["eval_set"]), order[r["name"]], r.get("gamma") or 0))
+    return picked, {"temperature": temp, "batch_size": bs, "gamma": gamma, "draft": draft}
+
+
+def table_cells(rows: list[dict], draft: str = "best") -> list[list[str]]:
+    out = []
+    for r in rows:
+        label = ROWS.get(r["name"], r["name"]) if r["name"] != draft or draft == "best" else f"distilled draft ({draft})"
+        if r["name"] == "hf_assisted" and r.get("assistant"):
+            label += f" ({r['assistant']})"
+        out.append([str(r["eval_set"]), label, "–" if r["kind"] == "target" else str(r.get("gamma")),
+                    fmt_num(r.get("acceptance_rate"), ".3f"), fmt_num(r.get("tokens_per_target_call"), ".2f"),
+                    fmt_num(r.get("tokens_per_s"), ".1f"), fmt_num(r.get("speedup"), ".2f", "×")])
+    return out
+
+
+def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
+    """A markdown table padded to align in a terminal too."""
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
+    line = lambda cs: "| " + " | ".join(c.ljust(w) for c, w in zip(cs, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(c) for c in cells])
+
+
+def results_markdown(cfg: DictConfig, report: dict, summary: Optional[dict], hc) -> tuple[str, list[list[str]]]:
+    rows, setting = headline_rows(report)
+    cells = table_cells(rows, setting["draft"])
+    rd = run_dir(cfg)
+    st = report.get("settings", {})
+    samp = "greedy" if not setting["temperature"] else f"T={setting['temperature']:g}"
+    device = f", on {st['device']}" if st.get("device") not in (None, "auto") else ""
+    lines = [
+        f"# Results: {cfg.run_name}", "",
+        f"Target `{report.get('target')}`, {samp}, batch {setting['batch_size']}, γ = {setting['gamma']} (the best "
+        f"draft's), max_new_tokens {st.get('max_new_tokens')}{device}. From `{rd}/evaluate/report.json` "
+        f"(every setting and definition is there; `report.md` beside it has the full table).", "",
+        markdown_table(HEADERS, cells), "",
+        "α: accepted ÷ tried draft tokens; τ: tokens per target call; speedup: target-alone wall time ÷ this row's "
+        "(HF assisted generation: ÷ transformers generate() without an assistant).",
+    ]
+    if summary:
+        i, b = (pick(summary, f"{k}_teacher_forced_acceptance", f"{k}.teacher_forced_acceptance") for k in ("init", "best"))
+        if i is not None or b is not None:
+            lines.append(f"Teacher-forced acceptance α_TF on held-out answers: {fmt_num(i, '.3f')} (init) → "
+                         f"{fmt_num(b, '.3f')} (distilled).")
+    if (Path(rd) / "publish" / "README.md").is_file():
+        lines.append(f"Upload folder with model card: `{rd}/publish/`.")
+    lines += ["", "Command:", "", "```bash", command_line(hc), "```", ""]
+    return "\n".join(lines), cells
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
+
+
+# ---------------------------------------------------------------- sweep comparison, W&B
+
+
+COMPARE_HEADERS = ["run", "draft", "γ", "α", "α_TF", "τ", "tokens/s", "speedup", "init speedup"]
+
+
+def add_comparison_row(sweep_dir: Path, cfg: DictConfig, report: dict) -> Path:
+    """Record this job's headline (report["best"]) and rebuild <sweep dir>/comparison.md from all jobs' rows."""
+    b = report.get("best") or {}
+    row = {"run": str(cfg.run_name), "cells": [
+        str(cfg.run_name), str(b.get("name", "–")), str(b.get("gamma", "–")), fmt_num(b.get("acceptance_rate"), ".3f"),
+        fmt_num(b.get("teacher_forced_acceptance"), ".3f"), fmt_num(b.get("tokens_per_target_call"), ".2f"),
+        fmt_num(b.get("tokens_per_s"), ".1f"), fmt_num(b.get("speedup"), ".2f", "×"), fmt_num(b.get("init_speedup"), ".2f", "×")]}
+    rows_dir = sweep_dir / "comparison"
+    atomic_write_json(rows_dir / f"{cfg.run_name}.json", row)
+    out = sweep_dir / "comparison.md"
+    with open(sweep_dir / ".comparison.lock", "w") as lock:  # jobs may run in parallel (joblib launcher)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = [read_json(p) for p in sorted(rows_dir.glob("*.json"))]
+        text = (f"# Sweep comparison ({len(rows)} runs)\n\nEach run's best draft, mean over eval sets at greedy, "
+                f"batch 1 (report.json `best`); runs in `{cfg.runs_root}/<run>/`.\n\n"
+                + markdown_table(COMPARE_HEADERS, [r["cells"] for r in rows]) + "\n")
+        atomic_write_text(out, text)
+    return out
+
+
+def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
+    """The results table and headline numbers as a W&B run in group <run_name> (offline by default)."""
+    if cfg.wandb_mode == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, group=str(cfg.run_name), job_type="pipeline",
+                     name=f"{cfg.run_name}-results", dir=str(Path(run_dir(cfg))),
+                     config=OmegaConf.to_container(cfg, resolve=True))
+    try:
+        run.log({"results": wandb.Table(columns=HEADERS, data=cells)})
+        best = report.get("best") or {}
+        run.summary.update({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float, str, bool))})
+        for r in headline_rows(report)[0]:
+            for k in ("acceptance_rate", "tokens_per_target_call", "tokens_per_s", "speedup"):
+                if isinstance(r.get(k), (int, float)):
+                    run.summary[f"{r['eval_set']}/{r['name']}/{k}"] = r[k]
+    finally:
+        run.finish()
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def run(cfg: DictConfig) -> dict:
+    hc = _hydra()
+    if _is_multirun(hc):
+        cfg = copy.deepcopy(cfg)
+        cfg.run_name = job_run_name(cfg, hc)
+    validate(cfg)  # fail before the first stage, not in the third
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("the pipeline runs its stages in one process; for multi-process distillation run "
+                          "`accelerate launch -m distill.train <overrides>` first, then `python -m distill.pipeline "
+                          "<same overrides>` (it finds the distill stage complete)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    results: dict[str, Any] = {"run_dir": run_dir(cfg), "stages": {}}
+    for stage in (s for s in STAGES if s in cfg.stages):
+        log.info("pipeline: %s", stage)
+        results["stages"][stage] = importlib.import_module(MODULES[stage]).run(cfg)
+
+    rd = Path(run_dir(cfg))
+    report_path = rd / "evaluate" / "report.json"
+    if not report_path.is_file():
+        log.warning("no %s yet: run the evaluate stage for the results table", report_path)
+        return results
+    report = read_json(report_path)
+    summary_path = rd / "distill" / "summary.json"
+    text, cells = results_markdown(cfg, report, read_json(summary_path) if summary_path.is_file() else None, hc)
+    write_if_changed(rd / "results.md", text)
+    print("\n" + markdown_table(HEADERS, cells) + f"\n\n(written to {rd / 'results.md'})", flush=True)
+    results["results"] = str(rd / "results.md")
+    if _is_multirun(hc):
+        results["comparison"] = str(add_comparison_row(Path(hc.sweep.dir), cfg, report))
+        log.info("sweep comparison: %s", results["comparison"])
+    if cfg.logger == "wandb":
+        log_wandb(cfg, cells, report)
+    return results
+
+
+def main_cli(cfg: DictConfig) -> dict:
+    """cli() plus the evaluate stage's exit 1 when speculative greedy output differs from the target's."""
+    try:
+        return cli(run, cfg)
+    except Exception as err:
+        if type(err).__name__ != "GreedyMismatch":
+            raise
+        print(f"FAILED: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="pipeline")
+def main(cfg: DictConfig) -> None:
+    main_cli(cfg)
+
+
+if __name__ == "__main__":
+    main()

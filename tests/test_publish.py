@@ -1,0 +1,306 @@
+"""publish: the staged folder is a loadable draft with a model card; uploads go to a local fake Hub."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM
+
+from distill import publish
+from distill.config import ConfigError
+from distill.models import draft_from_target, load_model, load_tokenizer
+from distill.tiny import tiny_draft
+from distill.utils import read_json
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+RUN = "pub"
+
+
+def _cfg(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="publish", overrides=[
+            "model=tiny", "experiment=smoke", f"runs_root={tmp_path / 'runs'}", f"run_name={RUN}", *overrides])
+
+
+def _row(name, kind, **kw):
+    row = {"name": name, "kind": kind, "draft": None, "eval_set": "mt_bench", "temperature": 0.0, "top_p": 1.0,
+           "gamma": 4, "batch_size": 1, "draft_sampled": False, "acceptance_rate": 0.61,
+           "tokens_per_target_call": 2.3, "tokens_per_s": 150.0, "speedup": 1.4, "speedup_spread": [1.3, 1.5],
+           "predicted_speedup": 1.6, "greedy_identical": True}
+    row.update(kw)
+    return row
+
+
+def _report(greedy_identical=True):
+    rows = [_row("target", "target", gamma=None, acceptance_rate=None, tokens_per_target_call=1.0, speedup=1.0,
+                 speedup_spread=None, predicted_speedup=None, greedy_identical=None),
+            _row("init", "model", acceptance_rate=0.31, speedup=0.9),
+            _row("best", "model", greedy_identical=greedy_identical),
+            _row("best", "model", eval_set="humaneval", acceptance_rate=0.72, speedup=1.7),
+            _row("hf_assisted", "hf_assisted", acceptance_rate=None, speedup=1.2)]
+    return {"target": "tiny", "settings": {"max_new_tokens": 24, "device": "cpu"},
+            "definitions": {"acceptance_rate": "accepted ÷ tried", "speedup": "target time ÷ speculative time"},
+            "rows": rows, "greedy_identical": greedy_identical, "best": {"name": "best", "gamma": 4}, "doctor": []}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run dir as the earlier stages leave it: distill/best (+ trainer_state), summary, report."""
+    rd = tmp_path / "runs" / RUN
+    best = rd / "distill" / "best"
+    best.mkdir(parents=True)
+    target = load_model("tiny", device="cpu")
+    tiny_draft(target, noise=0.3).save_pretrained(best)
+    load_tokenizer("tiny").save_pretrained(best)
+    (best / "trainer_state").mkdir()
+    (best / "trainer_state" / "optimizer.pt").write_bytes(b"not for upload")
+    (rd / "distill" / "summary.json").write_text(json.dumps(
+        {"best_step": 6, "init_teacher_forced_acceptance": 0.52, "best_teacher_forced_acceptance": 0.71}))
+    (rd / "evaluate").mkdir()
+    (rd / "evaluate" / "report.json").write_text(json.dumps(_report()))
+    return rd
+
+
+def test_staged_folder_is_a_working_assistant_model(tmp_path, run):
+    out = publish.run(_cfg(tmp_path))
+    folder = Path(out["folder"])
+    assert folder == run / "publish" and out["kind"] == "model" and out["dry_run"]
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md"} <= names
+    assert "trainer_state" not in names
+    assert not list(run.glob(".publish.*"))  # temp dirs swapped in and gone
+
+    draft = AutoModelForCausalLM.from_pretrained(folder)
+    target = load_model("tiny", device="cpu")
+    tok = load_tokenizer(str(folder))
+    inputs = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about tests."}],
+                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        plain = target.generate(**inputs, max_new_tokens=24, do_sample=False)
+        assisted = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert assisted.tolist() == plain.tolist()
+
+
+def test_model_card_metadata_and_body(tmp_path, run):
+    publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-draft", "publish.license=mit"))
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(run / "publish" / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"speculative-decoding", "draft-model", "distillation"} <= set(card.data.tags)
+    assert card.data.license == "mit"
+    assert card.data.base_model is None  # the tiny test target has no hub id
+    text = card.text
+    assert "assistant_model=draft" in text
+    assert 'speculative_config={"model": "me/tiny-draft", "num_speculative_tokens": 4}' in text
+    assert "--speculative-algorithm STANDALONE --speculative-draft-model-path me/tiny-draft" in text
+    assert "| humaneval | distilled draft (best) | greedy | 1 | 4 | 0.720 |" in text
+    assert "undistilled draft (init)" in text and "HF assisted generation" in text
+    assert "0.520 before distillation → 0.710 after (step 6)" in text
+    assert "FKL" in text
+
+
+def test_base_model_of_the_embedded_default():
+    from omegaconf import OmegaConf
+
+    m = OmegaConf.create({"target": "smollm2-135m-instruct", "draft_init": "from_target", "draft": None})
+    assert publish.base_model(m) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    m.draft_init, m.draft = "pretrained", "Qwen/Qwen2.5-0.5B-Instruct"
+    assert publish.base_model(m) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_rerun_is_a_no_op_and_changes_restage(tmp_path, run):
+    publish.run(_cfg(tmp_path))
+    stamp = {p.name: p.stat().st_mtime_ns for p in (run / "publish").iterdir()}
+    publish.run(_cfg(tmp_path))
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "publish").iterdir()} == stamp
+    publish.run(_cfg(tmp_path, "publish.repo_id=me/other"))  # the card changes -> restaged
+    assert "me/other" in (run / "publish" / "README.md").read_text()
+
+
+def test_refuses_without_report_or_with_greedy_mismatch(tmp_path, run):
+    (run / "evaluate" / "report.json").unlink()
+    with pytest.raises(ConfigError, match="no evaluation report.*publish.force=true"):
+        publish.run(_cfg(tmp_path))
+    (run / "evaluate" / "report.json").write_text(json.dumps(_report(greedy_identical=False)))
+    with pytest.raises(ConfigError, match="greedy_identical: false.*publish.force=true"):
+        publish.run(_cfg(tmp_path))
+    out = publish.run(_cfg(tmp_path, "publish.force=true"))
+    assert "greedy_identical: false" in (Path(out["folder"]) / "README.md").read_text()
+
+
+def test_upload_needs_repo_id_and_draft(tmp_path, run):
+    with pytest.raises(ConfigError, match="publish.repo_id is required"):
+        publish.run(_cfg(tmp_path, "publish.dry_run=false"))
+    shutil.rmtree(run / "distill" / "best")
+    with pytest.raises(ConfigError, match="no draft at"):
+        publish.run(_cfg(tmp_path))
+
+
+def _lora_run(run):
+    """distill/ as a LoRA student with student.merge=false leaves it: best/adapter/ over init/ (layers [0])."""
+    from peft import LoraConfig, get_peft_model
+
+    shutil.rmtree(run / "distill" / "best")
+    base = draft_from_target(load_model("tiny", device="cpu"), [0])
+    base.save_pretrained(run / "distill" / "init")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    peft_model.save_pretrained(run / "distill" / "best" / "adapter")
+    load_tokenizer("tiny").save_pretrained(run / "distill" / "best")
+    return peft_model
+
+
+def test_lora_adapter_is_merged(tmp_path, run):
+    peft_model = _lora_run(run)
+    out = publish.run(_cfg(tmp_path, "model.draft_layers=[0]"))
+    assert out["kind"] == "merge"
+    merged = AutoModelForCausalLM.from_pretrained(out["folder"])
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert not (Path(out["folder"]) / "adapter_config.json").exists()
+    # with student.merge=true the merged model sits beside adapter/: it is copied as is
+    merged.save_pretrained(run / "distill" / "best")
+    out = publish.run(_cfg(tmp_path, "model.draft_layers=[0]"))
+    assert out["kind"] == "model" and not (Path(out["folder"]) / "adapter").exists()
+
+
+def test_lora_adapter_unmerged_needs_a_hub_base(tmp_path, run):
+    _lora_run(run)
+    with pytest.raises(ConfigError, match="publish.merge=true"):
+        publish.run(_cfg(tmp_path, "model.draft_layers=[0]", "publish.merge=false"))
+    out = publish.run(_cfg(tmp_path, "publish.merge=false", "model.draft_init=pretrained", "model.draft=org/tiny-base"))
+    folder = Path(out["folder"])
+    assert out["kind"] == "adapter" and not (folder / "model.safetensors").exists()
+    assert read_json(folder / "adapter_config.json")["base_model_name_or_path"] == "org/tiny-base"
+    assert "lora" in (folder / "README.md").read_text().split("---")[1]
+
+
+# ---------------------------------------------------------------- a fake Hub on 127.0.0.1
+
+
+class FakeHub:
+    """Answers the calls huggingface_hub makes for create_repo, create_branch and upload_folder; records them.
+
+    Every file is declared "regular" at preupload, so the commit carries its bytes (base64) and the test
+    can compare them with the staged folder. Anything else gets a 404 (and fails the test).
+    """
+
+    def __init__(self, max_requests=50):
+        self.requests, self.files, self.repos, self.branches = [], {}, set(), set()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # keep pytest output clean
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, payload = hub.handle(self.path, body, {k.lower(): v for k, v in self.headers.items()})
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                if len(hub.requests) >= max_requests:  # bounded: a runaway client cannot keep it alive
+                    threading.Thread(target=hub.server.shutdown, daemon=True).start()
+
+            do_GET = do_PUT = do_POST
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def handle(self, raw_path, body, headers):
+        path = urlsplit(raw_path).path
+        self.requests.append({"path": path, "query": urlsplit(raw_path).query, "headers": headers, "body": body})
+        if path == "/api/repos/create":
+            req = json.loads(body)
+            rid = f"{req['organization']}/{req['name']}"
+            if rid in self.repos:
+                return 409, {"error": "You already created this model repo", "url": f"{self.url}/{rid}"}
+            self.repos.add(rid)
+            return 200, {"url": f"{self.url}/{rid}", "name": rid}
+        if path == "/api/validate-yaml":
+            return 200, {"errors": [], "warnings": []}
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(preupload|commit|branch)/(.+)", path)
+        if not m or m.group(1) not in self.repos:
+            return 404, {"error": f"not found: {path}"}
+        rid, op, rev = m.group(1), m.group(2), unquote(m.group(3))
+        if op == "branch":
+            self.branches.add(rev)
+            return 200, {}
+        if rev != "main" and rev not in self.branches:
+            return 404, {"error": f"revision {rev} not found"}
+        if op == "preupload":
+            files = json.loads(body)["files"]
+            return 200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+        for line in body.splitlines():  # commit: ndjson, a header then one line per file
+            item = json.loads(line)
+            if item["key"] == "file":
+                self.files[(rid, rev, item["value"]["path"])] = base64.b64decode(item["value"]["content"])
+        return 200, {"commitUrl": f"{self.url}/{rid}/commit/{'a' * 40}", "commitOid": "a" * 40, "pullRequestUrl": None}
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    from huggingface_hub import constants
+
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_fake_test_token")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # conftest sets offline mode for everything else
+        yield hub
+
+
+@pytest.mark.timeout(120)
+def test_upload_to_fake_hub(tmp_path, run, fake_hub):
+    cfg = _cfg(tmp_path, "publish.dry_run=false", "publish.repo_id=me/tiny-draft", "publish.private=true",
+               "publish.revision=v1")
+    out = publish.run(cfg)
+    paths = [r["path"] for r in fake_hub.requests]
+    assert paths[0] == "/api/repos/create" and "/api/models/me/tiny-draft/branch/v1" in paths
+    assert paths[-1] == "/api/models/me/tiny-draft/commit/v1"
+    create = json.loads(fake_hub.requests[0]["body"])
+    assert create["name"] == "tiny-draft" and create["organization"] == "me" and create["visibility"] == "private"
+    assert all(r["headers"].get("authorization") == "Bearer hf_fake_test_token" for r in fake_hub.requests)
+    folder = Path(out["folder"])
+    staged = {p.name: p.read_bytes() for p in folder.iterdir()}
+    uploaded = {path: data for (rid, rev, path), data in fake_hub.files.items() if (rid, rev) == ("me/tiny-draft", "v1")}
+    assert uploaded == staged  # exactly the staged folder
+    assert out["upload"]["commit"] == "a" * 40
+    assert read_json(tmp_path / "runs" / RUN / "publish.json")["uploads"][-1]["revision"] == "v1"
+
+    fake_hub.requests.clear()  # a second upload: the repo exists (409 is fine), the branch too
+    publish.run(cfg)
+    assert [r["path"] for r in fake_hub.requests][-1] == "/api/models/me/tiny-draft/commit/v1"
+
+
+def test_upload_needs_a_token(tmp_path, run, fake_hub, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(ConfigError, match="hf auth login"):
+        publish.run(_cfg(tmp_path, "publish.dry_run=false", "publish.repo_id=me/tiny-draft"))
+    assert fake_hub.requests == []
