@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import json
 import logging
 import os
 import re
@@ -372,9 +373,41 @@ def _load_candidate(cfg: DictConfig, c: dict, target, tok):
     return load_model(c["draft"], m.dtype, m.device, None, m.trust_remote_code, m.cache_dir)
 
 
+def _dir_stamp(path: Optional[str]) -> Any:
+    """Names, sizes and mtimes of a draft dir's files: changes when a checkpoint is rewritten."""
+    if not path or not os.path.isdir(path):
+        return path
+    return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
+
+
+def fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """Everything a report depends on; an equal fingerprint means the report on disk is current."""
+    return {"model": OmegaConf.to_container(cfg.model, resolve=True),
+            "evaluate": OmegaConf.to_container(cfg.evaluate, resolve=True),
+            "eval_data": OmegaConf.to_container(cfg.eval_data, resolve=True),
+            "drafts": [(name, path, _dir_stamp(path)) for name, path in resolve_drafts(cfg)]}
+
+
+def _current_report(out: Path, fp: dict[str, Any]) -> Optional[dict]:
+    path = out / "report.json"
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    return report if report.get("fingerprint") == json.loads(json.dumps(fp)) else None
+
+
 def run(cfg: DictConfig) -> dict:
     out = start_stage(cfg, "evaluate")
     e = cfg.evaluate
+    fp = fingerprint(cfg)
+    done = _current_report(out, fp)
+    if done is not None:  # resumable: the same drafts and settings were measured already
+        log.info("evaluate: %s is current (same drafts and settings); delete it to measure again",
+                 out / "report.json")
+        if not done["greedy_identical"]:
+            raise GreedyMismatch(f"the report in {out / 'report.json'} records a greedy mismatch: a decoder bug")
+        return {"report": str(out / "report.json"), "best": done["best"], "greedy_identical": True,
+                "rows": len(done["rows"]), "skipped": True}
     target, tok = _load_target(cfg)
     cands = _candidates(cfg, tok)
     sets = load_eval_sets(cfg, tok, target)
@@ -454,6 +487,7 @@ def run(cfg: DictConfig) -> dict:
     rows += hf_rows
 
     report = build_report(cfg, rows, sets, target)
+    report["fingerprint"] = fp
     atomic_write_json(out / "report.json", report)
     report_mod.render(report, out)
     report_mod.print_summary(report)

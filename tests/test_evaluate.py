@@ -249,3 +249,16 @@ def test_batches_never_mix_categories():
     ps = [evaluate.Prompt(str(i), c, [i + 1]) for i, c in enumerate("aabab")]
     es = evaluate.EvalSet("s", ps, 0)
     assert es.batches(2) == [[0, 1], [3], [2, 4]]
+
+
+def test_rerun_is_skipped_until_a_draft_or_setting_changes(run_root):
+    evaluate.run(make_cfg(run_root))
+    path = run_root / "runs" / "r" / "evaluate" / "report.json"
+    first = path.stat().st_mtime_ns
+    assert evaluate.run(make_cfg(run_root))["skipped"] is True
+    assert path.stat().st_mtime_ns == first
+    # another setting measures again
+    assert "skipped" not in evaluate.run(make_cfg(run_root, "evaluate.gammas=[2]"))
+    # a rewritten best checkpoint measures again
+    save_draft(run_root / "runs" / "r" / "distill" / "best", 0.05)
+    assert "skipped" not in evaluate.run(make_cfg(run_root, "evaluate.gammas=[2]"))
