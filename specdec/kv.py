@@ -63,6 +63,9 @@ class KVModel:
             )
         self.device = model_device(model)
         self._cache_arg, self._keep_arg = _forward_kwargs(model)
+        body = getattr(model, "base_model", None)
+        self._body_cache_arg = _forward_kwargs(body)[0] if body is not None else self._cache_arg
+        self._lazy_ok: bool | None = None
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, capacity]
         self.pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] next position per row
@@ -71,15 +74,50 @@ class KVModel:
         self.calls = 0
 
     # -- forward -------------------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
-        kwargs = {self._cache_arg: self.cache, "use_cache": True, "position_ids": position_ids}
+    def _kwargs(self, cache_arg: str, position_ids: torch.Tensor) -> dict:
+        kwargs = {cache_arg: self.cache, "use_cache": True, "position_ids": position_ids}
         if self.holes:
             kwargs["attention_mask"] = self.mask[:, : self.length]
+        return kwargs
+
+    def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        kwargs = self._kwargs(self._cache_arg, position_ids)
         if self._keep_arg is not None:
             kwargs[self._keep_arg] = max(keep, 1)  # 0 would mean "all positions" to the model
         self.calls += 1
         logits = self.model(input_ids=tokens, **kwargs).logits  # [B, keep or q, width]
         return logits[:, -keep:, : self.vocab_size] if keep else logits[:, :0]
+
+    # -- lazy head: hidden states now, logits only for the positions that are needed -------------
+    @property
+    def lazy_head_ok(self) -> bool:
+        """Whether head(body(x)) reproduces the model's logits (checked once on a 3-token input), so
+        a verify pass can skip the LM head for positions after a row's first rejection."""
+        if self._lazy_ok is None:
+            self._lazy_ok = self._check_lazy_head()
+        return self._lazy_ok
+
+    @torch.inference_mode()
+    def _check_lazy_head(self) -> bool:
+        body = getattr(self.model, "base_model", None)
+        if body is None or body is self.model or self.model.get_output_embeddings() is None:
+            return False
+        x = torch.tensor([[1, 2, 3]], device=self.device)  # no cache involved
+        full = self.model(input_ids=x, use_cache=False).logits[..., : self.vocab_size].float()
+        lazy = self.head(body(input_ids=x, use_cache=False).last_hidden_state).float()
+        return bool((full - lazy).abs().max() <= 1e-4 * full.abs().max().clamp(min=1))
+
+    def step_hidden(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Like step(), but returns the final hidden states [B, q, H]; apply head() where needed."""
+        position_ids = self._append(tokens, valid)
+        body = self.model.base_model
+        kwargs = self._kwargs(self._body_cache_arg, position_ids)
+        self.calls += 1
+        return body(input_ids=tokens, **kwargs).last_hidden_state
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on hidden states [..., H] -> logits [..., V] (the first vocab_size columns)."""
+        return self.model.get_output_embeddings()(hidden)[..., : self.vocab_size]
 
     def _reserve(self, q: int) -> None:
         need = self.length + q
@@ -107,6 +145,10 @@ class KVModel:
         Padding inside ``tokens`` must be on the left of each row: a row's real tokens get positions
         pos[b], pos[b]+1, ... in order.
         """
+        return self._forward(tokens, self._append(tokens, valid), keep)
+
+    def _append(self, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Book q new columns (mask, positions); returns their position ids [B, q]."""
         q = tokens.shape[1]
         self._reserve(q)
         L = self.length
@@ -120,7 +162,7 @@ class KVModel:
             position_ids = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, q]
             self.pos += valid.long().sum(1)
         self.length = L + q
-        return self._forward(tokens, position_ids, keep)
+        return position_ids
 
     # -- rollback ------------------------------------------------------------------------------
     def rollback(self, q: int, keep: torch.Tensor, keep_host: list[int]) -> None:

@@ -1,0 +1,43 @@
+"""`python -m specdec` on tiny models saved to a temporary directory (no download).
+
+    pytest tests/test_specdec_cli.py -q
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distill.tiny import tiny_draft, tiny_model, tiny_tokenizer
+from specdec.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("specdec_cli")
+    tok, target = tiny_tokenizer(), tiny_model(seed=0)
+    for name, model in (("target", target), ("draft", tiny_draft(target, noise=0.04))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize("drafter", [["--draft", "draft"], ["--prompt-lookup"]])
+def test_cli_prints_text_and_metrics(model_dirs, drafter, capsys):
+    if drafter[0] == "--draft":
+        drafter = ["--draft", str(model_dirs / "draft")]
+    rc = main(["--target", str(model_dirs / "target"), *drafter, "--prompt", "hello there",
+               "--max-new-tokens", "12", "--gamma", "3", "--baseline", "--device", "cpu"])
+    assert rc == 0
+    text, metrics = capsys.readouterr().out.split("--- metrics\n")
+    report = json.loads(metrics)
+    assert report["greedy_identical"] is True
+    assert report["gamma"] == 3 and report["emitted"] >= 1
+    assert "acceptance_rate" in report and "speedup" in report
+
+
+def test_cli_rejects_bad_gamma(model_dirs, capsys):
+    rc = main(["--target", str(model_dirs / "target"), "--prompt-lookup", "--prompt", "x", "--gamma", "0",
+               "--device", "cpu"])
+    assert rc == 2
+    assert "gamma must be" in capsys.readouterr().err

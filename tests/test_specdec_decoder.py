@@ -1,0 +1,375 @@
+"""The speculative decoder on tiny random models: greedy token equality with the target's own
+generate(), sampled distributions (G-test), edge cases and bad input.
+
+    pytest tests/test_specdec_decoder.py -q
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill.tiny import tiny_draft, tiny_model
+from specdec import (
+    Drafter,
+    GammaPolicy,
+    ModelDrafter,
+    PromptLookupDrafter,
+    SamplingParams,
+    SpeculativeDecoder,
+    autoregressive_generate,
+    logits_to_probs,
+)
+
+EOS = 2  # tiny_config's eos_token_id
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models are dominated by per-op overhead; a second OpenMP thread only adds contention.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return tiny_draft(target, noise=0.04)  # partial acceptance: α ≈ 0.4-0.5
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_greedy(model, prompts, max_new_tokens, eos=EOS):
+    """model.generate(do_sample=False) on a left-padded batch; each row cut after its first EOS."""
+    S = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0)[:, S:].tolist()
+    rows = []
+    for r in out:
+        rows.append(r[: r.index(eos) + 1] if eos is not None and eos in r else r)
+    return rows
+
+
+# -- greedy equivalence ---------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma,policy,lazy", [(1, "constant", True), (3, "constant", True), (3, "constant", False),
+                                               (5, "constant", True), (2, "adaptive", False)])
+def test_greedy_equals_target_generate_ragged_batch(target, draft, gamma, policy, lazy):
+    prompts = _prompts([3, 9, 1, 6, 12, 2])
+    ref = _hf_greedy(target, prompts, 40)
+    dec = SpeculativeDecoder(target, draft, gamma=gamma, gamma_policy=policy, lazy_head=lazy)
+    res = dec.generate(prompts, max_new_tokens=40)
+    assert res.tokens == ref
+    m = res.metrics
+    assert 0.1 < m.acceptance_rate < 0.9, "the draft must be partly right for this test to mean anything"
+    assert sum(1 for c in m.accepted_lengths if c) >= 2, "rows must accept different counts"
+    assert res.finish_reasons == ["eos" if r[-1] == EOS and len(r) <= 40 and EOS in r else "length" for r in ref]
+
+
+class _CheckedDrafter(ModelDrafter):
+    """A ModelDrafter that checks every greedy proposal against the draft model run from scratch on
+    the row's full context: its cache (holes, crops, carried tokens, dropped rows) must be exact."""
+
+    def begin(self, context_ids, context_mask, vocab_size):
+        super().begin(context_ids, context_mask, vocab_size)
+        self.contexts = [[t for t, m in zip(r, mr) if m] for r, mr in zip(context_ids.tolist(), context_mask.tolist())]
+        self.checked = 0
+
+    def propose(self, last_tokens, k, params, generator):
+        tokens, probs = super().propose(last_tokens, k, params, generator)
+        for ctx, last, prop in zip(self.contexts, last_tokens.tolist(), tokens.tolist()):
+            ctx.append(last)
+            ref = self.model.generate(torch.tensor([ctx]), max_new_tokens=k, do_sample=False, min_new_tokens=k,
+                                      pad_token_id=0, eos_token_id=None)[0, len(ctx):].tolist()
+            assert prop == ref
+            self.checked += 1
+        return tokens, probs
+
+    def rollback(self, n_accepted, n_host):
+        super().rollback(n_accepted, n_host)
+        for ctx, prop, n in zip(self.contexts, self._proposal.tolist(), n_host):
+            ctx.extend(prop[:n])
+
+    def select_rows(self, rows):
+        super().select_rows(rows)
+        self.contexts = [self.contexts[i] for i in rows]
+
+
+def test_draft_cache_stays_exact_across_rounds(target, draft):
+    prompts = _prompts([3, 9, 1, 6], seed=6)
+    checked = _CheckedDrafter(draft)
+    res = SpeculativeDecoder(target, checked, gamma=3).generate(prompts, max_new_tokens=30)
+    assert res.tokens == _hf_greedy(target, prompts, 30)
+    assert checked.checked > 20 and 0.1 < res.metrics.acceptance_rate < 0.9
+
+
+def test_greedy_equals_target_with_tensor_input_and_right_padding(target, draft):
+    prompts = _prompts([5, 2, 7], seed=1)
+    S = 7
+    ids = torch.tensor([p + [0] * (S - len(p)) for p in prompts])  # right-padded on purpose
+    mask = torch.tensor([[1] * len(p) + [0] * (S - len(p)) for p in prompts])
+    res = SpeculativeDecoder(target, draft, gamma=4).generate(ids, attention_mask=mask, max_new_tokens=25)
+    assert res.tokens == _hf_greedy(target, prompts, 25)
+
+
+def test_greedy_prompt_lookup_equals_target(target):
+    # the random tiny model falls into repetitions within 80 tokens of these prompts (46 46 46 ...)
+    prompts = [[5, 6, 7], [10, 11, 12, 13] * 4, [99]]
+    ref = _hf_greedy(target, prompts, 80, eos=None)
+    dec = SpeculativeDecoder(target, PromptLookupDrafter(max_ngram=3), gamma=4, eos_token_id=[])
+    res = dec.generate(prompts, max_new_tokens=80)
+    assert res.tokens == ref
+    assert res.metrics.accepted > 10
+    assert res.metrics.draft_sampled is False
+    sampled = dec.generate(prompts, max_new_tokens=30, temperature=1.0)  # one-hot q: still runs
+    assert all(len(r) == 30 for r in sampled.tokens)
+
+
+def test_prompt_lookup_finds_latest_longest_match():
+    look = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    assert look.lookup([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]  # 3-gram [1, 2, 3] seen at 0
+    assert look.lookup([1, 2, 3, 4, 7, 2, 3, 5, 6, 2, 3], 2) == [5, 6]  # latest of two 2-gram matches
+    assert look.lookup([4, 5, 6], 3) == []  # no earlier occurrence of any suffix
+    assert look.lookup([7, 1, 7], 4) == [1, 7]  # unigram fallback, continuation up to the end
+    assert look.lookup([8], 2) == []
+
+
+def test_autoregressive_generate_equals_target_generate(target):
+    prompts = _prompts([4, 1, 8], seed=2)
+    res = autoregressive_generate(target, prompts, max_new_tokens=30)
+    assert res.tokens == _hf_greedy(target, prompts, 30)
+    assert res.metrics.tokens_per_target_call == 1.0
+    assert res.metrics.target_step_s > 0
+
+
+def test_padded_logits_sliced_to_vocab_size(target):
+    """Target and draft with different logit widths (padded embedding rows): compare the first 259."""
+    wide = tiny_model(seed=3, vocab_size=320)
+    prompts = _prompts([4, 6], seed=3)
+    with pytest.raises(ValueError, match="vocab_size=len"):
+        SpeculativeDecoder(target, wide)
+    with pytest.raises(ValueError, match="vocab_size"):
+        SpeculativeDecoder(target, wide, vocab_size=300)
+    res = SpeculativeDecoder(target, wide, vocab_size=259, gamma=2).generate(prompts, max_new_tokens=20)
+    assert res.tokens == _hf_greedy(target, prompts, 20)
+    assert all(t < 259 for row in res.tokens for t in row)
+
+
+# -- edge cases -----------------------------------------------------------------------------------
+def test_draft_equal_to_target_accepts_everything(target):
+    same = tiny_draft(target, noise=0.0)
+    res = SpeculativeDecoder(target, same, gamma=3, eos_token_id=[]).generate([[5, 6, 7]], max_new_tokens=17)
+    m = res.metrics
+    assert m.acceptance_rate == 1.0 and m.rejections == 0
+    # 4 rounds of γ+1 = 4 tokens, then one token left: a plain target step
+    assert m.target_calls == 5 and m.emitted == 17
+    assert m.accepted_lengths == [1, 0, 0, 4]
+    assert res.tokens == _hf_greedy(target, [[5, 6, 7]], 17, eos=None)
+    sampled = SpeculativeDecoder(target, same, gamma=3, eos_token_id=[]).generate(
+        [[5, 6, 7]] * 4, max_new_tokens=16, temperature=1.0)
+    assert sampled.metrics.acceptance_rate > 0.99  # p == q up to float rounding
+
+
+class _WrongDrafter(Drafter):
+    """Proposes token 0 every time: never the target's argmax in these tests."""
+
+    def begin(self, context_ids, context_mask, vocab_size):
+        pass
+
+    def propose(self, last_tokens, k, params, generator):
+        return torch.zeros(len(last_tokens), k, dtype=torch.long), None
+
+    def rollback(self, n_accepted, n_host):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+
+def test_always_wrong_draft(target):
+    prompts = _prompts([3, 5], seed=4)
+    ref = _hf_greedy(target, prompts, 20)
+    assert all(0 not in r for r in ref)
+    res = SpeculativeDecoder(target, _WrongDrafter(), gamma=4).generate(prompts, max_new_tokens=20)
+    assert res.tokens == ref
+    assert res.metrics.acceptance_rate == 0.0 and res.metrics.tokens_per_target_call == 1.0
+    sampled = SpeculativeDecoder(target, _WrongDrafter(), gamma=4).generate(prompts, max_new_tokens=20, temperature=1.0)
+    assert sampled.metrics.acceptance_rate < 0.05
+
+
+def test_eos_inside_an_accepted_block(target):
+    same = tiny_draft(target, noise=0.0)
+    free = _hf_greedy(target, [[5, 6, 7]], 20, eos=None)[0]
+    # a token first seen at position j = 6: the second draft token of round two (γ = 4)
+    j = next(i for i in range(6, 20) if free[i] not in free[:i])
+    assert j < 9
+    res = SpeculativeDecoder(target, same, gamma=4, eos_token_id=free[j]).generate([[5, 6, 7]], max_new_tokens=20)
+    assert res.tokens == [free[: j + 1]] and res.finish_reasons == ["eos"]
+    assert res.metrics.emitted == j + 1
+    assert res.metrics.rejections == 0  # stopping is not a rejection
+    # stop_token_ids at generate() do the same
+    res2 = SpeculativeDecoder(target, same, gamma=4, eos_token_id=[]).generate(
+        [[5, 6, 7]], max_new_tokens=20, stop_token_ids=[free[j]])
+    assert res2.tokens == res.tokens
+
+
+def test_gamma_larger_than_budget(target, draft):
+    ref = _hf_greedy(target, [[8, 9]], 3, eos=None)
+    res = SpeculativeDecoder(target, draft, gamma=10, eos_token_id=[]).generate([[8, 9]], max_new_tokens=3)
+    assert res.tokens == ref and len(res.tokens[0]) == 3
+    assert res.metrics.gamma_sum <= 2 + 1  # never more than budget − 1 proposals in a round
+    assert max(len(res.metrics.tried_at), 0) <= 2
+
+
+def test_budget_ends_inside_a_block(target, draft):
+    # rows at different lengths: the shared γ exceeds what some rows have left
+    prompts = _prompts([2, 7, 4, 3], seed=5)
+    for max_new in (1, 2, 5, 13):
+        ref = _hf_greedy(target, prompts, max_new, eos=None)
+        res = SpeculativeDecoder(target, draft, gamma=4, eos_token_id=[]).generate(prompts, max_new_tokens=max_new)
+        assert res.tokens == ref and all(len(r) == max_new for r in res.tokens)
+        assert res.finish_reasons == ["length"] * 4
+
+
+def test_adaptive_gamma_stays_in_bounds(target):
+    same = tiny_draft(target, noise=0.0)
+    dec = SpeculativeDecoder(target, same, gamma=2, gamma_policy="adaptive", gamma_min=1, gamma_max=5, eos_token_id=[])
+    res = dec.generate([[5, 6, 7]], max_new_tokens=40)
+    assert len(res.metrics.tried_at) == 5  # grew to gamma_max and no further
+    pol = GammaPolicy(3, "adaptive", gamma_min=2, gamma_max=4)
+    pol.update(3, [3]); assert pol.gamma == 4
+    pol.update(4, [4]); assert pol.gamma == 4
+    pol.update(4, [0]); assert pol.gamma == 3
+    pol.update(3, [0, 1]); assert pol.gamma == 2
+    pol.update(2, [0]); assert pol.gamma == 2
+    pol.update(2, [1, 2]); assert pol.gamma == 2  # a partial round moves nothing
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lazy_head_verify_equals_full_verify(target, draft, temperature):
+    """Skipping the LM head after a row's first rejection changes nothing: same tokens, same counters
+    (so the statistical test below, which runs the lazy path on CPU, covers the full path too)."""
+    prompts = _prompts([3, 9, 1, 6, 12, 2] * 4, seed=7)
+    runs = [SpeculativeDecoder(target, draft, gamma=3, lazy_head=lazy).generate(
+        prompts, max_new_tokens=30, temperature=temperature, top_p=0.95 if temperature else 1.0, seed=3)
+        for lazy in (True, False)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].metrics.accepted_lengths == runs[1].metrics.accepted_lengths
+    assert 0.1 < runs[0].metrics.acceptance_rate < 0.9
+
+
+def test_sampling_is_deterministic_per_seed(target, draft):
+    dec = SpeculativeDecoder(target, draft, gamma=3)
+    a = dec.generate([[5, 6], [7]], max_new_tokens=20, temperature=0.9, top_p=0.95, seed=1)
+    b = dec.generate([[5, 6], [7]], max_new_tokens=20, temperature=0.9, top_p=0.95, seed=1)
+    c = dec.generate([[5, 6], [7]], max_new_tokens=20, temperature=0.9, top_p=0.95, seed=2)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert a.metrics.draft_sampled is True
+
+
+def test_metrics_are_consistent(target, draft):
+    res = SpeculativeDecoder(target, draft, gamma=3).generate(_prompts([3, 6]), max_new_tokens=30)
+    m = res.metrics
+    assert m.emitted == sum(len(r) for r in res.tokens)
+    assert m.tokens_per_target_call == pytest.approx(m.emitted / m.row_rounds)
+    # τ = 1 + mean accepted, except that a row's last round may be cut (by EOS or the budget)
+    assert m.row_rounds - 2 <= m.emitted - m.accepted <= m.row_rounds
+    assert sum(m.accepted_lengths) == m.row_rounds
+    assert m.draft_calls <= m.gamma_sum  # one draft forward per step serves the whole batch
+    d = m.to_dict()
+    assert d["cost_ratio"] > 0 and d["predicted_speedup"] > 0 and d["tokens_per_s"] > 0
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_bad_input(target, draft):
+    with pytest.raises(ValueError, match="gamma must be"):
+        SpeculativeDecoder(target, draft, gamma=0)
+    with pytest.raises(ValueError, match="gamma_policy"):
+        SpeculativeDecoder(target, draft, gamma_policy="fast")
+    with pytest.raises(ValueError, match="gamma_min"):
+        SpeculativeDecoder(target, draft, gamma=4, gamma_policy="adaptive", gamma_max=3)
+    dec = SpeculativeDecoder(target, draft)
+    with pytest.raises(ValueError, match="temperature"):
+        dec.generate([[5]], temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        dec.generate([[5]], temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        dec.generate([[5]], temperature=1.0, top_p=1.2)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        dec.generate([[5], []])
+    with pytest.raises(ValueError, match="no prompts"):
+        dec.generate([])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate([[5]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        dec.generate([[5, 400]])
+
+
+# -- sampling: distribution equals the target's (G-test) -----------------------------------------
+def _chi2_sf(x: float, df: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def _g_test(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of a G-test of counts [K] against probabilities [K]; small cells lumped into one."""
+    n = counts.sum()
+    e = expected_p * n
+    big = e >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([e[big], e[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    g = 2 * float((obs * torch.log(obs.clamp(min=1e-300) / exp)).sum())
+    return _chi2_sf(g, int(keep.sum()) - 1)
+
+
+@torch.inference_mode()
+def _exact_first_two(model, prompt, params):
+    """Exact target distribution of the first two sampled tokens: [V, V] joint."""
+    V = 259
+    p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1].double(), params)  # [V]
+    ids = torch.cat([torch.tensor([prompt]).expand(V, -1), torch.arange(V)[:, None]], dim=1)  # [V, S+1]
+    p2 = logits_to_probs(model(ids).logits[:, -1].double(), params)  # [V, V]
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9)],
+                         ids=["T1", "T0.8-k40-p0.9"])
+def test_sampling_distribution_matches_target(target, draft, params):
+    # N rows of one prompt in one batch; N is sized so that a 2% TV shift between the two most
+    # likely cells (the hardest place to see it) is rejected, which the test checks below.
+    prompt, N = [5, 17, 42], 20_000
+    dec = SpeculativeDecoder(target, draft, gamma=2, eos_token_id=[])
+    res = dec.generate([prompt] * N, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k,
+                       top_p=params.top_p, seed=11)
+    assert 0.2 < res.metrics.acceptance_rate < 0.9
+    first_two = torch.tensor([r[:2] for r in res.tokens])  # [N, 2]
+    counts = torch.bincount(first_two[:, 0] * 259 + first_two[:, 1], minlength=259 * 259).double()
+    joint = _exact_first_two(target, prompt, params).reshape(-1)
+    assert _g_test(counts, joint) > 1e-3
+    # the same samples reject a 2% total-variation shift of the truth (the test has that power)
+    shifted = joint.clone()
+    top = torch.topk(joint, 2).indices
+    shifted[top[0]] -= 0.02
+    shifted[top[1]] += 0.02
+    assert _g_test(counts, shifted) < 1e-3
+    # the third token (from a later round for most rows) against plain target sampling
+    base = autoregressive_generate(target, [prompt] * N, max_new_tokens=3, temperature=params.temperature,
+                                   top_k=params.top_k, top_p=params.top_p, seed=12, eos_token_id=[])
+    third_spec = torch.bincount(torch.tensor([r[2] for r in res.tokens]), minlength=259).double()
+    third_base = torch.bincount(torch.tensor([r[2] for r in base.tokens]), minlength=259).double()
+    # two-sample test: G-test of the 2 x K table
+    table = torch.stack([third_spec, third_base])  # [2, K]
+    table = table[:, table.sum(0) >= 10]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    g = 2 * float((table * torch.log(table.clamp(min=1e-300) / expected)).sum())
+    assert _chi2_sf(g, table.shape[1] - 1) > 1e-3
