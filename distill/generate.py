@@ -1,0 +1,471 @@
+"""The generate stage: the target's own answers to a prompt set, batched, resumable, multi-process.
+
+    python -m distill.generate model=tiny data=mt_bench data.limit=4 generate.max_new_tokens=16 run_name=try  # CPU, seconds
+    python -m distill.generate experiment=smoke                       # embedded SmolLM2, 24 prompts, CPU
+    accelerate launch --multi_gpu --num_processes 2 -m distill.generate experiment=smoke   # 2 processes (CPU too)
+
+Writes runs/<run>/generate/shard-r<rank>-<n>.parquet (one record per prompt and sample) and
+manifest.json; read them back with `load_generated(run_dir)`. A record holds id (the prompt id, plus
+"#<sample>" when generate.num_samples > 1), source, category, prompt (text), prompt_ids,
+response_ids, response (text without special tokens), finish_reason (eos | length), temperature,
+top_p, top_k, max_new_tokens and seed (the row's own seed). response_ids *include* the EOS token when
+finish_reason is eos, so a draft trained on them learns to stop; padding never appears. With
+generate.store_topk=k a record also holds topk_ids [T, k] (int32) and topk_logits [T, k] (float16):
+the target's k largest raw logits at each response position, 6*k bytes per token before parquet
+compression (k=64: 384 B/token, ~48 KB for a 128-token answer).
+
+How it stays correct:
+- Batches are length-sorted buckets of left-padded prompts; finished rows leave the batch. Greedy
+  records equal `model.generate` run one prompt at a time (fp32, checked on the tiny model in tests
+  and on SmolLM2 by scripts/bench_generate.py; a true float tie could in principle differ).
+- Every row samples from its own generator, seeded from (seed, id), so a record does not depend on
+  which rows shared its batch. Shards are written to a temp name and renamed, at batch boundaries,
+  so a resumed run redoes exactly the batches a crash lost: the result equals an uninterrupted run.
+- Done ids come from the shards themselves; each shard carries the settings that made it, and data
+  made with another model, tokenizer or sampling setting is refused (generate.overwrite=true clears it).
+- Under `accelerate launch` each process takes the prompts whose id hashes to its rank. (On a
+  CPU-only machine `--multi_gpu` is what starts N processes; `--cpu` with accelerate 1.x starts one.)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import datasets
+import hydra
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from distill.config import ConfigError
+from distill.data import PromptTooLong, encode_prompt, load_prompts, prompt_token_limit, render_prompt
+from distill.models import (
+    load_target, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path, shared_vocab_size,
+    tokenizer_fingerprint,
+)
+from distill.utils import atomic_write_json, cli, read_json, start_stage
+from specdec.decoder import left_pad
+from specdec.kv import KVModel
+from specdec.sampling import SamplingParams, logits_to_probs, sample
+
+log = logging.getLogger(__name__)
+
+SHARD_GLOB = "shard-r*.parquet"
+META_KEY = b"specdistill.generate"  # parquet metadata: the settings that made a shard
+
+
+@dataclass
+class Item:
+    """One record to generate: a prompt (and sample index) with its own seed."""
+
+    id: str
+    source: str
+    category: str
+    prompt: str
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Output:
+    response_ids: list[int]
+    finish_reason: str  # eos | length
+    topk_ids: Optional[np.ndarray] = None  # [T, k] int32
+    topk_logits: Optional[np.ndarray] = None  # [T, k] float16
+
+
+# ---------------------------------------------------------------- settings, seeds, items
+
+
+def identity(cfg: DictConfig, tok: Any) -> dict:
+    """Everything that decides what a record holds; shards made with another identity are refused."""
+    g, m = cfg.generate, cfg.model
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    data.pop("limit", None)  # a larger limit extends the same set
+    return {
+        "model": {"target": m.target, "revision": m.revision,
+                  "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")},
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "sampling": {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k),
+                     "max_new_tokens": int(g.max_new_tokens), "num_samples": int(g.num_samples), "seed": int(cfg.seed)},
+        "prompts": {"max_prompt_tokens": int(g.max_prompt_tokens), "overlong": g.overlong},
+        "store_topk": int(g.store_topk),
+        "data": data,
+    }
+
+
+def row_seed(seed: int, record_id: str) -> int:
+    """A 63-bit seed for one record, a pure function of the run seed and the record id."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{record_id}".encode()).digest()[:8], "little") >> 1
+
+
+def rank_of(prompt_id: str, num_processes: int) -> int:
+    """Which process generates a prompt (all its samples): a stable hash, not the row order."""
+    return int.from_bytes(hashlib.sha1(prompt_id.encode()).digest()[:8], "little") % num_processes
+
+
+def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, world: int = 1) -> tuple[list[Item], dict]:
+    """This rank's records, longest prompt first; and {prompts (in the whole set), skipped (ids), truncated}."""
+    g = cfg.generate
+    prompts = load_prompts(cfg.data)  # ConfigError for an unknown source or an empty set
+    limit = prompt_token_limit(g.max_prompt_tokens, model_config, g.max_new_tokens)
+    items: list[Item] = []
+    skipped: list[str] = []
+    truncated = 0
+    for row in prompts:
+        if rank_of(row["id"], world) != rank:
+            continue
+        try:
+            ids = encode_prompt(tok, row["messages"], limit)
+            text = render_prompt(tok, row["messages"])
+        except PromptTooLong as e:
+            if g.overlong == "skip":
+                skipped.append(row["id"])
+                continue
+            ids, truncated = e.ids[-limit:], truncated + 1  # keep the end: the question and the assistant header
+            text = tok.decode(ids)
+        for s in range(g.num_samples):
+            rid = f"{row['id']}#{s}" if g.num_samples > 1 else row["id"]
+            items.append(Item(rid, row["source"], row["category"] or "", text, ids, row_seed(cfg.seed, rid)))
+    items.sort(key=lambda it: (-len(it.prompt_ids), it.id))
+    return items, {"prompts": len(prompts), "skipped": skipped, "truncated": truncated}
+
+
+# ---------------------------------------------------------------- decoding (transformers)
+
+
+class HFBackend:
+    """Batched KV-cached decoding with the target in this process, on specdec's KVModel.
+
+    Like specdec.decoder.autoregressive_generate, plus what records need: a generator per row
+    (seeded per record: its random draws do not depend on the rows sharing its batch) and the top-k logits.
+    """
+
+    def __init__(self, cfg: DictConfig, model: torch.nn.Module, tok: Any):
+        g = cfg.generate
+        self.g, self.tok = g, tok
+        self.kv = KVModel(model, vocab_size=shared_vocab_size(tok, model))
+        self.params = SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
+        gen_eos = model.generation_config.eos_token_id
+        gen_eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+        self.eos = {int(t) for t in [tok.eos_token_id, *gen_eos] if t is not None}
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, batch: list[Item]) -> list[Output]:
+        g, kv, dev = self.g, self.kv, self.kv.device
+        B = len(batch)
+        ids, mask = left_pad([it.prompt_ids for it in batch], None, self.pad, dev)  # [B, S]: last column real
+        kv.prefill(ids[:, :-1], mask[:, :-1])
+        logits = kv.step(ids[:, -1:])[:, -1]  # [B, V]
+        gens = None if self.params.greedy else [torch.Generator(dev).manual_seed(it.seed) for it in batch]
+        out = [Output([], "length", [] if g.store_topk else None, [] if g.store_topk else None) for _ in batch]
+        alive = list(range(B))  # batch rows still decoding, in kv row order
+        while True:
+            if g.store_topk:
+                top = logits.float().topk(min(g.store_topk, logits.shape[-1]), dim=-1)  # [b, k]
+                top_ids, top_vals = top.indices.int().cpu().numpy(), top.values.half().cpu().numpy()
+            if gens is None:
+                nxt = logits.argmax(-1)  # [b]
+            else:
+                probs = logits_to_probs(logits, self.params)  # [b, V]
+                nxt = torch.stack([sample(probs[j], gens[b]) for j, b in enumerate(alive)])
+            keep = []
+            for j, (b, t) in enumerate(zip(alive, nxt.tolist())):
+                o = out[b]
+                o.response_ids.append(t)
+                if g.store_topk:
+                    o.topk_ids.append(top_ids[j])
+                    o.topk_logits.append(top_vals[j])
+                if t in self.eos:
+                    o.finish_reason = "eos"
+                elif len(o.response_ids) < g.max_new_tokens:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(alive):  # finished rows leave the batch
+                rows = torch.tensor(keep, device=dev)
+                kv.select_rows(rows)
+                nxt, alive = nxt[rows], [alive[j] for j in keep]
+            logits = kv.step(nxt[:, None])[:, -1]
+        if g.store_topk:
+            for o in out:
+                o.topk_ids, o.topk_logits = np.stack(o.topk_ids), np.stack(o.topk_logits)
+        return out
+
+
+class VLLMBackend:
+    """vLLM on a GPU: same records (per-record seeds, EOS kept in response_ids). Optional."""
+
+    def __init__(self, cfg: DictConfig, tok: Any):
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            vllm = None
+        if vllm is None or not torch.cuda.is_available():
+            raise ConfigError("generate.backend=vllm needs the vllm package and a CUDA GPU; "
+                              "install vllm on a GPU machine or set generate.backend=transformers")
+        if cfg.generate.store_topk:
+            raise ConfigError("generate.store_topk needs raw logits, which vLLM does not return; "
+                              "set generate.backend=transformers")
+        from vllm import LLM
+
+        m = cfg.model
+        self.g, self.tok = cfg.generate, tok
+        self.llm = LLM(model=resolve_model_path(m.target, m.cache_dir), revision=m.revision,
+                       dtype="auto" if m.dtype == "auto" else m.dtype, seed=int(cfg.seed),
+                       trust_remote_code=m.trust_remote_code)
+
+    def generate(self, batch: list[Item]) -> list[Output]:
+        from vllm import SamplingParams
+
+        g = self.g
+        params = [SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1,
+                                 max_tokens=g.max_new_tokens, seed=it.seed) for it in batch]
+        res = self.llm.generate([{"prompt_token_ids": it.prompt_ids} for it in batch], params, use_tqdm=False)
+        outs = []
+        for r in res:
+            c = r.outputs[0]
+            ids = list(c.token_ids)
+            eos = c.finish_reason == "stop"
+            if eos and (not ids or ids[-1] != self.tok.eos_token_id):
+                ids.append(c.stop_reason if isinstance(c.stop_reason, int) else self.tok.eos_token_id)
+            outs.append(Output(ids, "eos" if eos else "length"))
+        return outs
+
+
+# ---------------------------------------------------------------- shards
+
+
+def _gen_dir(path: str | Path) -> Path:
+    path = Path(path)
+    return path / "generate" if (path / "generate").is_dir() else path
+
+
+def shard_paths(out: Path) -> list[Path]:
+    return sorted(out.glob(SHARD_GLOB))
+
+
+def shard_identity(path: Path) -> dict:
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta.get(META_KEY, b"{}"))
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            diffs += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            diffs.append(f"{prefix}{k}: {y!r} here, {x!r} requested")
+    return diffs
+
+
+def write_shard(out: Path, name: str, items: list[Item], outputs: list[Output], g: Any, ident: dict, tok: Any) -> None:
+    """One parquet file holding whole batches; written to a temp name, fsynced, renamed."""
+    cols: dict[str, Any] = {
+        "id": [it.id for it in items], "source": [it.source for it in items],
+        "category": [it.category for it in items], "prompt": [it.prompt for it in items],
+        "prompt_ids": pa.array([it.prompt_ids for it in items], pa.list_(pa.int32())),
+        "response_ids": pa.array([o.response_ids for o in outputs], pa.list_(pa.int32())),
+        "response": tok.batch_decode([o.response_ids for o in outputs], skip_special_tokens=True),
+        "finish_reason": [o.finish_reason for o in outputs],
+        "temperature": pa.array([float(g.temperature)] * len(items), pa.float64()),
+        "top_p": pa.array([float(g.top_p)] * len(items), pa.float64()),
+        "top_k": pa.array([int(g.top_k)] * len(items), pa.int32()),
+        "max_new_tokens": pa.array([int(g.max_new_tokens)] * len(items), pa.int32()),
+        "seed": pa.array([it.seed for it in items], pa.int64()),
+    }
+    if g.store_topk:
+        offsets = pa.array(np.concatenate([[0], np.cumsum([len(o.response_ids) for o in outputs])]), pa.int32())
+        for col, typ in (("topk_ids", pa.int32()), ("topk_logits", pa.float16())):
+            flat = pa.array(np.concatenate([getattr(o, col) for o in outputs]).reshape(-1), typ)
+            k = getattr(outputs[0], col).shape[1]
+            cols[col] = pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, k))
+    table = pa.table(cols).replace_schema_metadata({META_KEY: json.dumps(ident).encode()})
+    tmp = out / f".{name}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / name)
+
+
+def load_generated(path: str | Path) -> datasets.Dataset:
+    """All records of a run (runs/<run> or runs/<run>/generate) as one Dataset, sorted by id."""
+    out = _gen_dir(path)
+    files = shard_paths(out)
+    if not files:
+        raise ConfigError(f"no generated data in {out}; run `python -m distill.generate run_name=<run>` first")
+    table = pa.concat_tables([pq.read_table(f) for f in files]).replace_schema_metadata(None)
+    table = table.sort_by("id")
+    n_unique = len(pc.unique(table["id"]))
+    if n_unique != table.num_rows:
+        raise ConfigError(f"{out} holds {table.num_rows - n_unique} duplicate ids; regenerate with generate.overwrite=true")
+    return datasets.Dataset(table)
+
+
+def _done_ids(files: list[Path]) -> set[str]:
+    return {i for f in files for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
+
+
+def _totals(files: list[Path]) -> dict:
+    """Counts over every shard: records, tokens, finish reasons."""
+    n, prompt_tok, resp_tok, reasons, ids = 0, 0, 0, {}, []
+    for f in files:
+        t = pq.read_table(f, columns=["id", "prompt_ids", "response_ids", "finish_reason"])
+        n += t.num_rows
+        ids += t["id"].to_pylist()
+        prompt_tok += pc.sum(pc.list_value_length(t["prompt_ids"])).as_py() or 0
+        resp_tok += pc.sum(pc.list_value_length(t["response_ids"])).as_py() or 0
+        for r in t["finish_reason"].to_pylist():
+            reasons[r] = reasons.get(r, 0) + 1
+    return {"records": n, "prompt_tokens": prompt_tok, "response_tokens": resp_tok,
+            "finish_reasons": reasons, "ids": sorted(ids)}
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(cfg: DictConfig) -> dict:
+    """Generate (or finish generating) runs/<run>/generate; returns the manifest's summary."""
+    out = start_stage(cfg, "generate")
+    g = cfg.generate
+    if g.max_prompt_tokens < 1:
+        raise ConfigError(f"generate.max_prompt_tokens={g.max_prompt_tokens} must be >= 1")
+    # cpu=True lets a CPU-only `accelerate launch --multi_gpu` (torchrun) group form over gloo.
+    state = PartialState(cpu=resolve_device(cfg.model.device).type == "cpu")
+    rank, world = state.process_index, state.num_processes
+    if world != int(os.environ.get("WORLD_SIZE", world)):  # every process would think it is rank 0
+        raise ConfigError(f"launched as {os.environ['WORLD_SIZE']} processes but accelerate formed a group of "
+                          f"{world}; on CPU use `accelerate launch --multi_gpu --num_processes N` (see the docstring)")
+    tok = load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir,
+                         trust_remote_code=cfg.model.trust_remote_code)
+    ident = identity(cfg, tok)
+    manifest_path = out / "manifest.json"
+
+    # Finished with these settings and this prompt set: return the summary (the pipeline relies on it).
+    if manifest_path.exists():
+        man = read_json(manifest_path)
+        if (man.get("complete") and man.get("identity") == ident and man.get("data_limit") == cfg.data.limit
+                and all((out / s).exists() for s in man.get("shards", []))):
+            return man["summary"]
+
+    # Data made with other settings: refuse, or clear it with overwrite=true.
+    files = shard_paths(out)
+    stale = [f for f in files if shard_identity(f) != ident]
+    if stale and not g.overwrite:
+        diffs = _differences(ident, shard_identity(stale[0]))
+        raise ConfigError(
+            f"{out} holds {len(stale)} shard(s) made with other settings ({'; '.join(diffs[:4])}); "
+            "set generate.overwrite=true to replace them, or choose another run_name")
+    state.wait_for_everyone()
+    if state.is_main_process:
+        for p in out.glob(".shard-*.tmp-*"):  # a crash inside a shard leaves at most a temp file
+            p.unlink(missing_ok=True)
+        if stale:
+            log.warning("generate.overwrite=true: removing %d shards made with other settings", len(files))
+            for p in files:
+                p.unlink()
+            manifest_path.unlink(missing_ok=True)
+    state.wait_for_everyone()
+
+    model_config = AutoConfig.from_pretrained(  # the context length, without loading weights
+        resolve_model_path(cfg.model.target, cfg.model.cache_dir), revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code)
+    items, counts = build_items(cfg, tok, model_config, rank, world)
+    done = _done_ids(shard_paths(out))
+    todo = [it for it in items if it.id not in done]
+    expected = [it.id for it in items]
+
+    new_tokens, seconds = _generate(cfg, out, todo, tok, ident, rank, state) if todo else (0, 0.0)
+
+    per_rank = gather_object([{"expected": expected, "skipped": counts["skipped"], "truncated": counts["truncated"],
+                               "new_tokens": new_tokens, "seconds": seconds}])
+    summary: dict = {}
+    if state.is_main_process:
+        summary = _write_manifest(cfg, out, ident, counts["prompts"], per_rank, world)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        summary = read_json(manifest_path)["summary"]
+    return summary
+
+
+def _generate(cfg: DictConfig, out: Path, todo: list[Item], tok: Any, ident: dict, rank: int, state: Any) -> tuple[int, float]:
+    """Decode `todo` in length-sorted batches, writing shards at batch boundaries -> (new tokens, seconds)."""
+    g = cfg.generate
+    if g.backend == "vllm":
+        backend, batch_size = VLLMBackend(cfg, tok), max(g.shard_size, g.batch_size)
+    else:
+        mcfg = cfg.model
+        if mcfg.device == "auto" and state.num_processes > 1:  # one device per process
+            mcfg = OmegaConf.merge(mcfg, {"device": str(state.device)})
+        model, _ = load_target(mcfg)
+        backend, batch_size = HFBackend(cfg, model, tok), g.batch_size
+    n_next = 1 + max([int(p.stem.split("-")[-1]) for p in out.glob(f"shard-r{rank}-*.parquet")] or [-1])
+    buf_items: list[Item] = []
+    buf_out: list[Output] = []
+    tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(total=len(todo), unit="rec", desc=f"generate[r{rank}]", disable=not state.is_main_process)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        outputs = backend.generate(batch)
+        buf_items += batch
+        buf_out += outputs
+        tokens += sum(len(o.response_ids) for o in outputs)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+        if len(buf_items) >= g.shard_size or start + batch_size >= len(todo):
+            write_shard(out, f"shard-r{rank}-{n_next:05d}.parquet", buf_items, buf_out, g, ident, tok)
+            n_next, buf_items, buf_out = n_next + 1, [], []
+    bar.close()
+    return tokens, time.perf_counter() - t0
+
+
+def _write_manifest(cfg: DictConfig, out: Path, ident: dict, n_prompts: int, per_rank: list[dict], world: int) -> dict:
+    files = shard_paths(out)
+    tot = _totals(files)
+    expected = {i for r in per_rank for i in r["expected"]}
+    missing = expected - set(tot["ids"])
+    skipped = sorted(i for r in per_rank for i in r["skipped"])
+    new_tokens = sum(r["new_tokens"] for r in per_rank)
+    seconds = max(r["seconds"] for r in per_rank)
+    summary = {
+        "stage": "generate", "dir": str(out), "complete": not missing, "prompts": n_prompts,
+        "skipped": len(skipped), "truncated": sum(r["truncated"] for r in per_rank), "records": tot["records"],
+        "prompt_tokens": tot["prompt_tokens"], "response_tokens": tot["response_tokens"],
+        "finish_reasons": tot["finish_reasons"], "new_tokens": new_tokens, "seconds": round(seconds, 3),
+        "tokens_per_s": round(new_tokens / seconds, 2) if seconds > 0 else 0.0,
+    }
+    atomic_write_json(out / "manifest.json", {
+        "model": cfg.model.target, "tokenizer_fingerprint": ident["tokenizer_fingerprint"],
+        "sampling": ident["sampling"], "complete": not missing, "identity": ident, "data_limit": cfg.data.limit,
+        "num_processes": world, "backend": cfg.generate.backend, "summary": summary,
+        "shards": [f.name for f in files], "skipped_ids": skipped, "missing_ids": sorted(missing), "ids_done": tot["ids"],
+    })
+    log.info("generate: %d prompts (%d skipped, %d truncated) -> %d records, %d new tokens in %.1f s = %.1f tokens/s -> %s",
+             n_prompts, len(skipped), summary["truncated"], tot["records"], new_tokens, seconds,
+             summary["tokens_per_s"], out)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    cli(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

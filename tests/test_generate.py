@@ -1,0 +1,260 @@
+"""The generate stage (distill/generate.py) on the tiny model: records, determinism, greedy equality
+with model.generate, crash + resume, two processes, bad input. Offline, CPU, seconds per test."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from distill import generate
+from distill.config import ConfigError
+from distill.generate import load_generated, run
+from distill.models import load_target, load_tokenizer, resolve_model_path
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONF = os.path.abspath(os.path.join(ROOT, "conf"))
+PROMPTS = [
+    "Hi",
+    "What is two plus two? Answer briefly.",
+    "Write a haiku about the sea.",
+    "Name three prime numbers and explain why each is prime.",
+    "x",
+    "List the planets.",
+    "Why is the sky blue? Explain it to a child in one or two short sentences.",
+    "A prompt far longer than the others, " * 6,  # over max_prompt_tokens=120 (byte-level tokenizer)
+]
+SAMPLING = ["generate.temperature=0.9", "generate.top_k=40", "generate.top_p=0.95"]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+def overrides(root, prompts_file: str, *extra: str) -> list[str]:
+    return [
+        "model=tiny", "data=jsonl", f"data.path={prompts_file}", f"runs_root={root}", "run_name=t", "logger=none",
+        "generate.max_new_tokens=12", "generate.batch_size=2", "generate.shard_size=4",
+        "generate.max_prompt_tokens=120", *extra,
+    ]
+
+
+def make_cfg(root, prompts_file: str, *extra: str):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        return compose("generate", overrides=overrides(root, prompts_file, *extra))
+
+
+def records(path) -> list[dict]:
+    return load_generated(path).to_list()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prompts_file):
+    """An uninterrupted sampled run (2 samples per prompt, top-k logits stored)."""
+    root = tmp_path_factory.mktemp("ref")
+    summary = run(make_cfg(root, prompts_file, *SAMPLING, "generate.num_samples=2", "generate.store_topk=3"))
+    return root / "t", summary
+
+
+# ---------------------------------------------------------------- records and determinism
+
+
+def test_records_and_summary(reference):
+    path, summary = reference
+    recs = records(path)
+    expected_ids = sorted(f"file-{i}#{s}" for i in range(len(PROMPTS) - 1) for s in range(2))
+    assert [r["id"] for r in recs] == expected_ids  # the overlong prompt file-7 is skipped
+    assert summary["complete"] and summary["prompts"] == len(PROMPTS) and summary["skipped"] == 1
+    assert summary["records"] == len(recs) and sum(summary["finish_reasons"].values()) == len(recs)
+    assert summary["response_tokens"] == sum(len(r["response_ids"]) for r in recs)
+    tok = load_tokenizer("tiny")
+    for r in recs:
+        assert r["source"] == "file" and r["prompt"].endswith("<|im_start|>assistant\n")
+        assert r["prompt_ids"] == tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        n = len(r["response_ids"])
+        assert 1 <= n <= 12 and r["finish_reason"] in ("eos", "length")
+        assert (r["response_ids"][-1] == tok.eos_token_id) == (r["finish_reason"] == "eos")
+        assert r["finish_reason"] == "eos" or n == 12
+        assert tok.pad_token_id not in r["response_ids"][:-1] or tok.pad_token_id == tok.eos_token_id
+        assert r["response"] == tok.decode(r["response_ids"], skip_special_tokens=True)
+        assert (r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) == (0.9, 0.95, 40, 12)
+        assert len(r["topk_ids"]) == n and all(len(k) == 3 for k in r["topk_ids"])
+        assert all(a >= b for row in r["topk_logits"] for a, b in zip(row, row[1:]))  # sorted, largest first
+    man = json.loads((path / "generate" / "manifest.json").read_text())
+    assert man["model"] == "tiny" and man["sampling"]["temperature"] == 0.9 and man["tokenizer_fingerprint"]
+    assert man["ids_done"] == expected_ids and man["skipped_ids"] == ["file-7"]
+    # the two samples of a prompt are drawn with different seeds
+    assert recs[0]["seed"] != recs[1]["seed"]
+
+
+def test_same_seed_same_records_other_seed_differs(tmp_path, prompts_file, reference):
+    ref = records(reference[0])
+    run(make_cfg(tmp_path, prompts_file, *SAMPLING, "generate.num_samples=2", "generate.store_topk=3"))
+    assert records(tmp_path / "t") == ref
+    run(make_cfg(tmp_path, prompts_file, *SAMPLING, "generate.num_samples=2", "generate.store_topk=3",
+                 "seed=1", "run_name=s1"))
+    other = records(tmp_path / "s1")
+    assert [r["id"] for r in other] == [r["id"] for r in ref]
+    assert [r["response_ids"] for r in other] != [r["response_ids"] for r in ref]
+
+
+def test_greedy_equals_model_generate_one_at_a_time(tmp_path, prompts_file):
+    cfg = make_cfg(tmp_path, prompts_file, "generate.batch_size=4", "generate.overlong=truncate")
+    summary = run(cfg)
+    assert summary["truncated"] == 1 and summary["skipped"] == 0
+    model, tok = load_target(cfg.model)
+    recs = records(tmp_path / "t")
+    assert len(recs) == len(PROMPTS)
+    for r in recs:
+        ids = torch.tensor([r["prompt_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                             pad_token_id=tok.pad_token_id)
+        assert out[0, ids.shape[1]:].tolist() == r["response_ids"], r["id"]
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_after_crash_between_shards(tmp_path, prompts_file, reference, monkeypatch):
+    extra = (*SAMPLING, "generate.num_samples=2", "generate.store_topk=3")
+    real, written = generate.write_shard, []
+
+    def crash_after_two(*args, **kw):
+        if len(written) == 2:
+            raise RuntimeError("simulated crash")
+        real(*args, **kw)
+        written.append(args[1])
+
+    monkeypatch.setattr(generate, "write_shard", crash_after_two)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(make_cfg(tmp_path, prompts_file, *extra))
+    assert len(list((tmp_path / "t" / "generate").glob("shard-*.parquet"))) == 2
+    monkeypatch.setattr(generate, "write_shard", real)
+    summary = run(make_cfg(tmp_path, prompts_file, *extra))
+    assert summary["complete"] and summary["new_tokens"] < summary["response_tokens"]
+    assert records(tmp_path / "t") == records(reference[0])  # no loss, no duplicates, same answers
+
+
+def test_resume_after_crash_inside_shard(tmp_path, prompts_file, reference, monkeypatch):
+    extra = (*SAMPLING, "generate.num_samples=2", "generate.store_topk=3")
+    real, calls = generate.HFBackend.generate, []
+
+    def crash_on_third_batch(self, batch):
+        calls.append(len(batch))
+        if len(calls) == 3:  # shards hold 2 batches: the crash is half-way through the second shard
+            raise KeyboardInterrupt
+        return real(self, batch)
+
+    monkeypatch.setattr(generate.HFBackend, "generate", crash_on_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_cfg(tmp_path, prompts_file, *extra))
+    out = tmp_path / "t" / "generate"
+    (out / ".shard-r0-00001.parquet.tmp-999").write_bytes(b"torn")  # as if killed while writing
+    monkeypatch.setattr(generate.HFBackend, "generate", real)
+    run(make_cfg(tmp_path, prompts_file, *extra))
+    assert not list(out.glob(".*tmp*"))
+    assert records(tmp_path / "t") == records(reference[0])
+
+
+def test_completed_run_returns_summary_without_work(tmp_path, prompts_file, monkeypatch):
+    first = run(make_cfg(tmp_path, prompts_file))
+
+    def no(*a, **k):
+        raise AssertionError("a completed run must not load data or models again")
+
+    monkeypatch.setattr(generate, "load_target", no)
+    monkeypatch.setattr(generate, "load_prompts", no)
+    assert run(make_cfg(tmp_path, prompts_file)) == first
+
+
+def test_larger_limit_extends_the_same_set(tmp_path, prompts_file):
+    run(make_cfg(tmp_path, prompts_file, "data.limit=3"))
+    assert len(records(tmp_path / "t")) == 3
+    summary = run(make_cfg(tmp_path, prompts_file))
+    assert summary["records"] == len(PROMPTS) - 1 and summary["complete"]
+    assert len({r["id"] for r in records(tmp_path / "t")}) == len(PROMPTS) - 1
+
+
+# ---------------------------------------------------------------- two processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_make_the_same_records(tmp_path, prompts_file):
+    run(make_cfg(tmp_path / "one", prompts_file))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "-m", "distill.generate",
+           *overrides(tmp_path / "two", prompts_file)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "two" / "t" / "generate"
+    assert {p.name.split("-")[1] for p in out.glob("shard-*.parquet")} == {"r0", "r1"}
+    assert json.loads((out / "manifest.json").read_text())["num_processes"] == 2
+    one, two = records(tmp_path / "one" / "t"), records(tmp_path / "two" / "t")
+    assert [r["id"] for r in two] == [r["id"] for r in one]
+    # Greedy, fp32: other batch compositions give the same tokens on the tiny model.
+    assert [r["response_ids"] for r in two] == [r["response_ids"] for r in one]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_refuses_another_models_data_unless_overwrite(tmp_path, prompts_file):
+    run(make_cfg(tmp_path, prompts_file))
+    other = f"model.target={resolve_model_path('tiny')}"  # same weights, another model name
+    with pytest.raises(ConfigError, match="other settings.*model.target.*overwrite=true"):
+        run(make_cfg(tmp_path, prompts_file, other))
+    with pytest.raises(ConfigError, match="sampling.temperature"):
+        run(make_cfg(tmp_path, prompts_file, "generate.temperature=0.5"))
+    summary = run(make_cfg(tmp_path, prompts_file, other, "generate.overwrite=true"))
+    assert summary["complete"] and summary["records"] == len(PROMPTS) - 1
+    shard = next((tmp_path / "t" / "generate").glob("shard-*.parquet"))
+    assert generate.shard_identity(shard)["model"]["target"] == resolve_model_path("tiny")
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("generate.temperature=-1", "generate.temperature"),
+        ("generate.top_p=0", "generate.top_p"),
+        ("generate.top_k=-2", "generate.top_k"),
+        ("generate.num_samples=2", "num_samples > 1 needs sampling"),
+        ("generate.max_new_tokens=0", "max_new_tokens"),
+        ("generate.max_prompt_tokens=0", "max_prompt_tokens"),
+        ("generate.max_new_tokens=600", "leaves no room for a prompt"),
+        ("data.source=nowhere", "data.source"),
+        ("generate.backend=vllm", "vllm"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tmp_path, prompts_file, bad, message):
+    if bad == "generate.backend=vllm" and torch.cuda.is_available():
+        pytest.skip("this machine may run vLLM")
+    with pytest.raises(ConfigError, match=message):
+        run(make_cfg(tmp_path, prompts_file, bad))
+
+
+def test_empty_prompt_set(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="no prompts|empty"):
+        run(make_cfg(tmp_path, str(empty)))
+
+
+def test_cli_exit_code_2(tmp_path, prompts_file):
+    cmd = [sys.executable, "-m", "distill.generate", *overrides(tmp_path, prompts_file, "generate.top_p=1.5")]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "error:" in res.stderr and "generate.top_p" in res.stderr
