@@ -1,0 +1,198 @@
+"""Checkpoints, the best draft and the summary of the distill stage (runs/<run>/distill/).
+
+    checkpoint-<step>/   plain HF model dir (config.json, safetensors, tokenizer) + trainer_state/
+                         (state.pt: optimizer, scheduler, step, history; rng-<rank>.pt per process).
+                         A LoRA student keeps its adapter in adapter/ (its base is distill/init/) and,
+                         with student.merge, the merged plain model at the top level.
+    best/                plain HF model dir of the step with the highest α_TF (+ best.json)
+    init/                the undistilled draft (LoRA only: the adapter's base model)
+    summary.json         history (step, loss, α_TF, tokens/s), init and best α_TF, settings, done
+
+Every directory is written under a temporary dot-name and renamed into place, so a kill -9 at any
+moment leaves either the previous complete directory or the new complete one, never half of one.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from distill.utils import atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE = "trainer_state"
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under out, oldest first: [(step, dir)]."""
+    found = []
+    for p in out.glob("checkpoint-*"):
+        m = CKPT_RE.match(p.name)
+        if m and (p / STATE / "state.pt").exists():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished tmp dir to final, replacing an existing final dir (old one parked, then deleted)."""
+    old = final.parent / f".{final.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(out: Path) -> None:
+    """Undo what a kill during a save can leave: temp dirs, and a best/ parked as .best.old."""
+    for p in out.glob(".*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in out.glob(".*.old"):
+        final = out / p.name[1:-4]
+        if not final.exists():
+            os.rename(p, final)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save_model_dir(model: torch.nn.Module, tok: Any, path: Path, merge: bool = True) -> None:
+    """A plain HF model dir at path (must not exist). LoRA: adapter/ and, if merge, the merged model."""
+    path.mkdir(parents=True)
+    if is_peft(model):
+        model.save_pretrained(path / "adapter")
+        if merge:
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.save_pretrained(path)
+    else:
+        model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def save_checkpoint(
+    out: Path,
+    step: int,
+    model: torch.nn.Module,
+    tok: Any,
+    state: dict,
+    rank: int,
+    is_main: bool,
+    barrier: Callable[[], None],
+    merge: bool = True,
+    keep: int = 3,
+) -> Path:
+    """Write checkpoint-<step> atomically from every process (each saves its RNG), keep the last `keep`."""
+    final = out / f"checkpoint-{step}"
+    tmp = out / f".checkpoint-{step}.tmp"
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model_dir(model, tok, tmp, merge)
+        (tmp / STATE).mkdir()
+    barrier()
+    torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
+    barrier()
+    if is_main:
+        torch.save(state, tmp / STATE / "state.pt")
+        atomic_write_json(tmp / STATE / "trainer_state.json", {k: v for k, v in state.items() if k in INFO_KEYS})
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for _, old in checkpoints(out)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+INFO_KEYS = ("step", "records_seen", "epoch", "train_tokens", "elapsed_s", "world_size", "global_batch")
+
+
+def load_trainer_state(ckpt: Path, rank: int) -> tuple[dict, Optional[dict]]:
+    """(state.pt contents, this rank's RNG state or None when the process count changed)."""
+    state = torch.load(ckpt / STATE / "state.pt", weights_only=False)
+    rng_path = ckpt / STATE / f"rng-{rank}.pt"
+    rng = torch.load(rng_path, weights_only=False) if rng_path.exists() else None
+    return state, rng
+
+
+def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
+    """Copy the weights of a checkpoint into `model` (full: the HF dir; LoRA: the adapter)."""
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(str(ckpt / "adapter" / "adapter_model.safetensors")))
+        return
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=next(model.parameters()).dtype)
+    model.load_state_dict(loaded.state_dict())
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_best(out: Path, model: torch.nn.Module, tok: Any, info: dict, merge: bool = True) -> None:
+    """Replace best/ with the current model (atomically: written aside, then swapped in)."""
+    tmp = out / ".best.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model_dir(model, tok, tmp, merge)
+    atomic_write_json(tmp / "best.json", info)
+    _replace_dir(tmp, out / "best")
+
+
+def best_info(out: Path) -> Optional[dict]:
+    p = out / "best" / "best.json"
+    return read_json(p) if p.exists() else None
+
+
+def save_init(out: Path, model: torch.nn.Module, tok: Any) -> Path:
+    """distill/init/: the undistilled draft as a plain HF dir (the base a LoRA adapter applies to)."""
+    final = out / "init"
+    if not (final / "config.json").exists():
+        tmp = out / ".init.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model_dir(model, tok, tmp)
+        _replace_dir(tmp, final)
+    return final
+
+
+def clear(out: Path) -> None:
+    """Remove every checkpoint, best/, init/ and summary.json (train.resume=never)."""
+    for p in list(out.glob("checkpoint-*")) + [out / "best", out / "init"] + list(out.glob(".*")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+    (out / "summary.json").unlink(missing_ok=True)
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    atomic_write_json(out / "summary.json", summary)
+
+
+def read_summary(out: Path) -> Optional[dict]:
+    p = out / "summary.json"
+    return read_json(p) if p.exists() else None

@@ -1,0 +1,371 @@
+"""The distill stage: train a same-tokenizer draft on the target's answers; keep the one the target accepts most.
+
+    python -m distill.train model=tiny experiment=smoke run_name=try          # after distill.generate; CPU, seconds
+    python -m distill.train experiment=smoke                                  # embedded SmolLM2, CPU, minutes
+    python -m distill.train student=lora loss=tvd train.teacher=topk train.lr=1e-3
+    accelerate launch --config_file conf/accelerate/cpu-2proc.yaml -m distill.train experiment=smoke
+
+Reads runs/<run>/generate (the target's answers), writes runs/<run>/distill/ (see distill/checkpoint.py).
+One optimizer step sees a global batch of train.batch_size × processes × train.grad_accum records,
+taken in order from a seeded shuffle of the training records, and normalises the loss by the number
+of response tokens in the whole global batch: the result does not depend on how many processes share
+the batch. The target's next-token distribution at every response position is the teacher, either
+computed online (train.teacher=online) or read from the top-k logits the generate stage stored
+(train.teacher=topk, generate.store_topk=k). With train.on_policy_fraction=λ, a share λ of the steps
+trains on continuations the draft samples itself, scored online by the target.
+
+α_TF (teacher_forced_acceptance, 1 − TV between target and draft, averaged over the response tokens
+of train.holdout held-out records) is measured before training and every train.eval_every steps;
+best/ is the draft with the highest α_TF (training loss is a poor guide to acceptance). The target's
+reference distributions on the holdout are computed once: its top-1024 probabilities (exact, not
+renormalised), so α_TF is exact up to the target's tail mass beyond them (reported, ~0).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from typing import Any, Optional
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from distill import checkpoint as ck
+from distill.batches import collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
+from distill.config import ConfigError, run_dir
+from distill.losses import HiddenTeacher, TopKTeacher, chunked_distill_loss
+from distill.models import load_draft, load_target, resolve_device, shared_vocab_size, tokenizer_fingerprint
+from distill.utils import cli, read_json, start_stage
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(ConfigError):
+    """The loss became NaN/inf; the last good checkpoint is kept."""
+
+
+class DraftLoss(torch.nn.Module):
+    """The draft plus its loss, so that DDP/FSDP see one forward: batch -> (loss sum, positions)."""
+
+    def __init__(self, draft: torch.nn.Module, loss_cfg: Any, vocab: int):
+        super().__init__()
+        self.draft, self.lc, self.vocab = draft, loss_cfg, vocab
+
+    def forward(self, input_ids, attention_mask, positions, labels, teacher):
+        decoder, head = decoder_and_head(self.draft)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        lc = self.lc
+        return chunked_distill_loss(
+            hidden, head, positions, teacher, lc.name, lc.beta, lc.temperature,
+            labels, lc.ce_weight, lc.chunk_size, self.vocab,
+        )
+
+
+def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Module:
+    """student=full (optionally freezing embeddings + LM head) or student=lora (peft adapter)."""
+    s = cfg.student
+    if s.kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        present = sorted({n.rsplit(".", 1)[-1] for n, m in draft.named_modules() if isinstance(m, torch.nn.Linear)})
+        missing = [m for m in s.lora_target_modules if m not in present]
+        if missing:
+            raise ConfigError(f"student.lora_target_modules {missing} do not exist in {type(draft).__name__}; "
+                              f"its linear modules are {present}")
+        draft = get_peft_model(draft, LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
+                                                 target_modules=list(s.lora_target_modules)))
+        draft.peft_config["default"].base_model_name_or_path = str((out / "init").resolve())
+    elif s.freeze_embeddings:
+        for emb in (draft.get_input_embeddings(), draft.get_output_embeddings()):
+            emb.weight.requires_grad_(False)
+    if cfg.train.gradient_checkpointing:
+        base = draft.get_base_model() if ck.is_peft(draft) else draft
+        kw = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    return draft.train()
+
+
+def _check_generated(cfg: DictConfig, tok: Any) -> Any:
+    """The generated records (a datasets.Dataset), after the checks that name the fix."""
+    from distill.generate import load_generated
+
+    records = load_generated(run_dir(cfg))
+    if len(records) == 0:
+        raise ConfigError(f"{run_dir(cfg)}/generate holds no records; run `python -m distill.generate "
+                          f"run_name={cfg.run_name}` first")
+    man_path = os.path.join(run_dir(cfg), "generate", "manifest.json")
+    if os.path.exists(man_path):
+        fp = read_json(man_path).get("tokenizer_fingerprint")
+        if fp and fp != tokenizer_fingerprint(tok):
+            raise ConfigError(f"{run_dir(cfg)}/generate was made with another tokenizer than {cfg.model.target}'s; "
+                              "regenerate with this target (generate.overwrite=true) or choose its run_name")
+    if cfg.train.teacher == "topk" and "topk_ids" not in records.column_names:
+        raise ConfigError("train.teacher=topk but the generated records hold no top-k logits; "
+                          "regenerate with generate.store_topk=64 or use train.teacher=online")
+    return records
+
+
+def _schedule(optimizer, t: Any):
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[t.schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
+
+
+def _done(summary: Optional[dict], cfg: DictConfig, out) -> bool:
+    return bool(summary and summary.get("done") and summary.get("max_steps") == cfg.train.max_steps
+                and summary.get("time_budget_min") == cfg.train.time_budget_min and (out / "best" / "config.json").exists())
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train (or finish training) the draft of runs/<run>; returns the summary (also distill/summary.json)."""
+    from accelerate import Accelerator
+
+    out = start_stage(cfg, "distill")
+    t, lc = cfg.train, cfg.loss
+    if t.holdout < 1:
+        raise ConfigError("train.holdout must be >= 1: α_TF on held-out records picks the best checkpoint")
+    # cpu=True lets a CPU-only `accelerate launch --multi_gpu` (torchrun) group form over gloo
+    acc = Accelerator(cpu=resolve_device(cfg.model.device).type == "cpu", mixed_precision=_mixed_precision(t.mixed_precision, cfg))
+    if acc.num_processes != int(os.environ.get("WORLD_SIZE", acc.num_processes)):
+        raise ConfigError("accelerate formed a group of 1 while WORLD_SIZE is "
+                          f"{os.environ['WORLD_SIZE']}; on CPU launch with `accelerate launch --multi_gpu --num_processes N`")
+    if acc.is_main_process:
+        ck.recover(out)
+    acc.wait_for_everyone()
+    summary = ck.read_summary(out)
+    if t.resume == "auto" and _done(summary, cfg, out):
+        log.info("distill: already done (step %s, best α_TF %.4f at step %s) -> %s", summary["step"],
+                 summary["best_teacher_forced_acceptance"], summary["best_step"], out)
+        return summary
+    if acc.is_main_process and (t.resume == "never" or not ck.checkpoints(out)):
+        ck.clear(out)  # a fresh start: no best/ or summary of an earlier attempt may survive
+    acc.wait_for_everyone()
+
+    mcfg = OmegaConf.merge(cfg.model, {"device": str(acc.device)})
+    target, tok = load_target(mcfg)
+    records = _check_generated(cfg, tok)
+    draft = load_draft(mcfg, target, tok)
+    vocab = shared_vocab_size(tok, target, draft)
+    train_set, holdout = split_holdout(to_examples(records, t.max_seq_len, t.teacher == "topk"), t.holdout, cfg.seed)
+    if not train_set:
+        raise ConfigError(f"all {len(holdout)} generated records are held out; generate more or lower train.holdout")
+    if cfg.student.kind == "lora" and acc.is_main_process:
+        ck.save_init(out, draft, tok)
+    student = make_student(cfg, draft, out)
+    if acc.mixed_precision != "no":
+        student.float()  # master weights in fp32; autocast computes in bf16
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = _schedule(optimizer, t)
+    model = acc.prepare(DraftLoss(student, lc, vocab))
+    rank, world = acc.process_index, acc.num_processes
+    micro = holdout[rank::world]
+    ref = holdout_reference(target, micro, t.batch_size, vocab, acc.device, lc.chunk_size)
+    need_target = t.teacher == "online" or t.on_policy_fraction > 0
+    if not need_target:
+        del target
+        target = None
+
+    def alpha() -> float:
+        num, den = measure_alpha(student, ref, acc.device, lc.chunk_size, vocab)
+        tot = acc.reduce(torch.tensor([num, den], dtype=torch.float64, device=acc.device), "sum")
+        return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
+
+    state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
+    ckpts = ck.checkpoints(out)
+    if t.resume == "auto" and ckpts:
+        step0, path = ckpts[-1]
+        ck.load_weights(student, path)
+        saved, rng = ck.load_trainer_state(path, rank)
+        optimizer.load_state_dict(saved.pop("optimizer"))
+        scheduler.load_state_dict(saved.pop("scheduler"))
+        state.update(saved)
+        if rng is not None:
+            ck.set_rng_state(rng)
+        log.info("distill: resuming from %s (step %d)", path, step0)
+    best = ck.best_info(out) or {}
+    if state["step"] == 0:
+        a0 = alpha()
+        state["init_teacher_forced_acceptance"] = a0
+        state["history"] = [{"step": 0, "loss": None, "teacher_forced_acceptance": a0, "tokens_per_s": None}]
+        if not best or a0 > best["teacher_forced_acceptance"]:
+            best = {"step": 0, "teacher_forced_acceptance": a0}
+            if acc.is_main_process:
+                ck.save_best(out, student, tok, best, cfg.student.merge)
+
+    G = t.batch_size * world * t.grad_accum
+    logger = _Logger(cfg, out, acc.is_main_process)
+    bar = tqdm(total=t.max_steps, initial=state["step"], desc="distill", disable=not acc.is_main_process)
+    budget_s = t.time_budget_min * 60 if t.time_budget_min else math.inf
+    stopped = "max_steps"
+    alpha_now = state["history"][-1].get("teacher_forced_acceptance") if state["history"] else None
+
+    def save(step: int) -> None:
+        st = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+              "world_size": world, "global_batch": G}
+        ck.save_checkpoint(out, step, student, tok, st, rank, acc.is_main_process, acc.wait_for_everyone,
+                           cfg.student.merge, t.keep_checkpoints)
+
+    def summarize(done: bool) -> dict:
+        rates = [h["tokens_per_s"] for h in state["history"] if h.get("tokens_per_s")]
+        return {
+            "stage": "distill", "dir": str(out), "done": done, "stopped": stopped if done else None,
+            "step": state["step"], "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
+            "init_teacher_forced_acceptance": state.get("init_teacher_forced_acceptance"),
+            "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
+            "best_dir": str(out / "best"), "train_tokens": state["train_tokens"], "elapsed_s": round(state["elapsed_s"], 2),
+            "tokens_per_s": round(state["train_tokens"] / state["train_s"], 2) if state["train_s"] else None,
+            "holdout_records": len(holdout), "holdout_tail_mass": ref.tail_mass, "train_records": len(train_set),
+            "settings": {"loss": OmegaConf.to_container(lc), "student": OmegaConf.to_container(cfg.student),
+                         "train": OmegaConf.to_container(t), "draft_layers": list(cfg.model.draft_layers),
+                         "draft_init": cfg.model.draft_init, "world_size": world, "global_batch": G,
+                         "peak_tokens_per_s": max(rates) if rates else None},
+            "history": state["history"],
+        }
+
+    wall0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    while state["step"] < t.max_steps:
+        step = state["step"]
+        t0 = time.perf_counter()
+        batch_ids = _global_batch(len(train_set), step, G, cfg.seed)
+        on_policy = t.on_policy_fraction > 0 and random.Random(cfg.seed * 1_000_003 + step).random() < t.on_policy_fraction
+        micro_batches = []
+        for a in range(t.grad_accum):
+            lo = (a * world + rank) * t.batch_size
+            exs = [train_set[i] for i in batch_ids[lo:lo + t.batch_size]]
+            if on_policy:
+                exs = sample_on_policy(student, exs, t.on_policy_max_new_tokens, tok, acc.device)
+            micro_batches.append(exs)
+        local_n = sum(len(e.response_ids) for exs in micro_batches for e in exs)
+        count = float(acc.reduce(torch.tensor(float(local_n), device=acc.device), "sum"))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+        bad = []
+        for a, exs in enumerate(micro_batches):
+            b = collate(exs, tok.pad_token_id, acc.device, with_topk=t.teacher == "topk" and not on_policy)
+            teacher = _teacher(target, b, t.teacher == "topk" and not on_policy)
+            sync = a == len(micro_batches) - 1
+            with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
+                total, _ = model(b["input_ids"], b["attention_mask"], b["positions"], b["labels"], teacher)
+                if not torch.isfinite(total):
+                    bad.append(f"micro-batch {a} records {[e.id for e in exs]}")
+                acc.backward(total * (world / max(count, 1.0)))
+            loss_sum += total.detach().double()
+        loss = float(acc.reduce(loss_sum, "sum")) / max(count, 1.0)
+        if not math.isfinite(loss):
+            last = ck.checkpoints(out)
+            raise TrainingDiverged(
+                f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'}); stopped. The last good "
+                f"checkpoint is {last[-1][1] if last else 'none (nothing saved yet)'}; lower train.lr "
+                f"(now {t.lr}) or raise train.warmup_steps, then rerun (resume=auto continues from it)")
+        if t.max_grad_norm and t.max_grad_norm > 0:
+            acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        state["step"] = step + 1
+        state["records_seen"] = (step + 1) * G
+        state["train_s"] += dt
+        state["elapsed_s"] = elapsed0 + time.perf_counter() - wall0  # wall time incl. evals and saves
+        state["train_tokens"] += int(count)
+        over = float(acc.reduce(torch.tensor(float(state["elapsed_s"] >= budget_s), device=acc.device), "max")) > 0
+        last_step = state["step"] >= t.max_steps or over
+        entry = {"step": state["step"], "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
+                 "on_policy": on_policy, "elapsed_s": round(state["elapsed_s"], 2)}
+        if state["step"] % t.eval_every == 0 or last_step:
+            alpha_now = entry["teacher_forced_acceptance"] = alpha()
+            if alpha_now > best.get("teacher_forced_acceptance", -1.0):
+                best = {"step": state["step"], "teacher_forced_acceptance": alpha_now}
+                if acc.is_main_process:
+                    ck.save_best(out, student, tok, best, cfg.student.merge)
+        state["history"].append(entry)
+        logger.log(entry)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-",
+                        tok_s=f"{count / dt:.0f}")
+        if state["step"] % t.save_every == 0 or last_step:
+            save(state["step"])
+        state["elapsed_s"] = elapsed0 + time.perf_counter() - wall0
+        if acc.is_main_process and ("teacher_forced_acceptance" in entry or last_step):
+            ck.write_summary(out, summarize(False))
+        if over and state["step"] < t.max_steps:
+            stopped = "time_budget"
+            log.info("distill: time budget of %.1f min reached at step %d", t.time_budget_min, state["step"])
+            break
+    bar.close()
+    result = summarize(True)
+    if acc.is_main_process:
+        ck.write_summary(out, result)
+    logger.finish(result)
+    acc.wait_for_everyone()
+    log.info("distill: step %d, α_TF %.4f -> best %.4f at step %s (%s) -> %s", state["step"],
+             result["init_teacher_forced_acceptance"], result["best_teacher_forced_acceptance"], result["best_step"],
+             stopped, out)
+    return result
+
+
+def _teacher(target, b: dict, topk: bool):
+    if topk:
+        return TopKTeacher(b["topk_ids"], b["topk_logits"])
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    return HiddenTeacher(hidden[b["positions"]], target.get_output_embeddings())
+
+
+def _global_batch(n: int, step: int, size: int, seed: int) -> list[int]:
+    """Indices of the records of optimizer step `step`: a stream of seeded per-epoch permutations."""
+    ids: list[int] = []
+    pos = step * size
+    while len(ids) < size:
+        epoch, off = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+        take = perm[off: off + size - len(ids)]
+        ids += take
+        pos += len(take)
+    return ids
+
+
+def _mixed_precision(setting: str, cfg: DictConfig) -> str:
+    if setting not in ("auto", "no", "bf16"):
+        raise ConfigError(f"train.mixed_precision={setting!r}: use auto (bf16 on GPU, no on CPU), bf16 or no")
+    if setting != "auto":
+        return setting
+    return "bf16" if torch.cuda.is_available() and cfg.model.device != "cpu" else "no"
+
+
+class _Logger:
+    """W&B (cfg.logger=wandb, mode cfg.wandb_mode, files under the stage dir) or nothing."""
+
+    def __init__(self, cfg: DictConfig, out, main: bool):
+        self.run = None
+        if main and cfg.logger == "wandb" and cfg.wandb_mode != "disabled":
+            import wandb
+
+            self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name, mode=cfg.wandb_mode, dir=str(out),
+                                  config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
+
+    def log(self, entry: dict) -> None:
+        if self.run:
+            self.run.log({f"distill/{k}": v for k, v in entry.items() if v is not None and k != "step"}, step=entry["step"])
+
+    def finish(self, summary: dict) -> None:
+        if self.run:
+            self.run.summary.update({k: v for k, v in summary.items() if k not in ("history", "settings")})
+            self.run.finish()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="distill")
+def main(cfg: DictConfig) -> None:
+    cli(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

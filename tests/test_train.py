@@ -1,0 +1,267 @@
+"""The distill stage (distill/train.py) on the tiny model: training, saving, resume, two processes, best
+checkpoint by α_TF, bad input. Offline, CPU; the generated data comes from distill.generate on the
+tiny target (with top-k logits), made once per module."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from distill import generate, train
+from distill.config import ConfigError
+from distill.train import TrainingDiverged
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = str(ROOT / "conf")
+PROMPTS = [
+    "Hi", "What is two plus two?", "Write a haiku about the sea.", "Name three primes.", "x", "List the planets.",
+    "Why is the sky blue?", "Tell me a joke about cats.", "Count to five.", "Spell python backwards.",
+    "What is a list?", "Say hello in French.", "Define recursion.", "Add 17 and 25.", "Name a colour.",
+    "What is the capital of Italy?", "Describe a cloud.", "Give me a word that rhymes with cat.",
+    "Translate 'dog' to German.", "What day comes after Monday?",
+]
+BASE = [
+    "model=tiny", "data=jsonl", "logger=none", "generate.max_new_tokens=16", "generate.store_topk=16",
+    "generate.batch_size=8", "train.batch_size=4", "train.holdout=4", "train.max_steps=4", "train.eval_every=2",
+    "train.save_every=2", "train.warmup_steps=0", "train.lr=1e-2", "train.keep_checkpoints=10",
+]
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory) -> dict:
+    """Generated tiny-model data: {"prompts": jsonl path, "dir": runs/g/generate}."""
+    root = tmp_path_factory.mktemp("gen")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    cfg = make_cfg(root, "g", str(prompts), stage="generate")
+    generate.run(cfg)
+    return {"prompts": str(prompts), "dir": root / "g" / "generate"}
+
+
+def overrides(root, name: str, prompts: str, *extra: str) -> list[str]:
+    return [*BASE, f"data.path={prompts}", f"runs_root={root}", f"run_name={name}", *extra]
+
+
+def make_cfg(root, name: str, prompts: str, *extra: str, stage: str = "distill"):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        return compose(stage, overrides=overrides(root, name, prompts, *extra))
+
+
+def setup_run(gen: dict, root: Path, name: str, *extra: str):
+    """A run dir holding a copy of the generated data, and its config."""
+    shutil.copytree(gen["dir"], root / name / "generate")
+    return make_cfg(root, name, gen["prompts"], *extra)
+
+
+def weights(path) -> dict:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def assert_same_weights(a, b, atol=0.0):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0 if atol == 0 else 1e-5, msg=k)
+
+
+def losses(summary: dict) -> list[float]:
+    return [h["loss"] for h in summary["history"] if h["loss"] is not None]
+
+
+def test_loss_falls_and_full_student_saves_loadable_models(gen, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = setup_run(gen, tmp_path, "full", "train.max_steps=8", "train.eval_every=4", "train.save_every=4",
+                    "train.batch_size=8", "student.freeze_embeddings=false")
+    s = train.run(cfg)
+    ls = losses(s)
+    assert len(ls) == 8 and ls[-1] < 0.8 * ls[0], ls
+    out = tmp_path / "full" / "distill"
+    for d in ("best", "checkpoint-4", "checkpoint-8"):
+        model = AutoModelForCausalLM.from_pretrained(out / d)
+        AutoTokenizer.from_pretrained(out / d)
+        assert model.config.num_hidden_layers == 1  # model=tiny keeps draft_layers [0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] and summary["step"] == 8 and summary["stopped"] == "max_steps"
+    assert summary["history"][0]["step"] == 0 and summary["init_teacher_forced_acceptance"] is not None
+    assert all(k in summary["history"][-1] for k in ("loss", "teacher_forced_acceptance", "tokens_per_s"))
+    # frozen embeddings stay exactly the target's
+    cfg2 = setup_run(gen, tmp_path, "frozen", "train.max_steps=2", "student.freeze_embeddings=true")
+    train.run(cfg2)
+    target = weights(Path(os.environ.get("SPECDISTILL_CACHE", Path.home() / ".cache" / "specdistill")) / "tiny")
+    best = weights(tmp_path / "frozen" / "distill" / "checkpoint-2")
+    torch.testing.assert_close(best["model.embed_tokens.weight"], target["model.embed_tokens.weight"], atol=0, rtol=0)
+
+
+def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
+    cfg = setup_run(gen, tmp_path, "best", "train.max_steps=6", "train.eval_every=1", "train.save_every=1",
+                    "train.lr=3e-2", "loss=tvd")
+    s = train.run(cfg)
+    evals = [(h["teacher_forced_acceptance"], -h["step"]) for h in s["history"] if h.get("teacher_forced_acceptance") is not None]
+    alpha, neg_step = max(evals)
+    assert s["best_step"] == -neg_step and s["best_teacher_forced_acceptance"] == pytest.approx(alpha)
+    out = tmp_path / "best" / "distill"
+    info = json.loads((out / "best" / "best.json").read_text())
+    assert info["step"] == s["best_step"]
+    if s["best_step"] > 0:
+        assert_same_weights(out / "best", out / f"checkpoint-{s['best_step']}")
+    mtime = (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns
+    t0 = time.perf_counter()
+    again = train.run(cfg)
+    assert again["done"] and again["step"] == 6 and time.perf_counter() - t0 < 30
+    assert (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_resume_equals_uninterrupted(gen, tmp_path):
+    extra = ("train.max_steps=4", "train.save_every=2", "train.eval_every=2")
+    a = train.run(setup_run(gen, tmp_path, "a", *extra))
+    cfg_b = setup_run(gen, tmp_path, "b", *extra)
+    train.run(cfg_b)
+    out_b = tmp_path / "b" / "distill"
+    # what a kill right after checkpoint-2 leaves: no checkpoint-4, a summary not done
+    shutil.rmtree(out_b / "checkpoint-4")
+    (out_b / "summary.json").unlink()
+    b = train.run(cfg_b)
+    assert b["step"] == 4
+    assert_same_weights(tmp_path / "a" / "distill" / "checkpoint-4", out_b / "checkpoint-4")
+    assert losses(a) == pytest.approx(losses(b), abs=1e-7)
+
+
+def test_kill_9_then_resume_equals_uninterrupted(gen, tmp_path):
+    extra = ("train.max_steps=8", "train.save_every=1", "train.eval_every=4")
+    ref = train.run(setup_run(gen, tmp_path, "ref", *extra))
+    setup_run(gen, tmp_path, "k", *extra)
+    cmd = [sys.executable, "-m", "distill.train", *overrides(tmp_path, "k", gen["prompts"], *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "k" / "distill"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not (out / "checkpoint-3").exists():
+        time.sleep(0.05)
+    killed = proc.poll() is None  # still running: the kill lands mid-run
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert killed and (out / "checkpoint-3").exists()
+    s = train.run(make_cfg(tmp_path, "k", gen["prompts"], *extra))
+    assert s["step"] == 8
+    assert_same_weights(tmp_path / "ref" / "distill" / "checkpoint-8", out / "checkpoint-8")
+    assert losses(ref) == pytest.approx(losses(s), abs=1e-7)
+    assert not list(out.glob(".*"))  # no temp dir left behind
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(gen, tmp_path):
+    extra = ("train.max_steps=3", "train.eval_every=3", "train.save_every=3", "train.grad_accum=2")
+    one = train.run(setup_run(gen, tmp_path, "one", "train.batch_size=4", *extra))
+    setup_run(gen, tmp_path, "two", "train.batch_size=2", *extra)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), "-m", "distill.train",
+           *overrides(tmp_path, "two", gen["prompts"], "train.batch_size=2", *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "distill" / "summary.json").read_text())
+    assert two["settings"]["world_size"] == 2 and two["settings"]["global_batch"] == one["settings"]["global_batch"] == 8
+    assert losses(two) == pytest.approx(losses(one), abs=1e-4)
+    assert two["best_teacher_forced_acceptance"] == pytest.approx(one["best_teacher_forced_acceptance"], abs=1e-4)
+    assert_same_weights(tmp_path / "one" / "distill" / "checkpoint-3", tmp_path / "two" / "distill" / "checkpoint-3", atol=1e-5)
+
+
+def test_lora_saves_adapter_and_merged_model_that_agree(gen, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = setup_run(gen, tmp_path, "lora", "student=lora", "student.lora_r=4", "train.lr=5e-2")
+    train.run(cfg)
+    out = tmp_path / "lora" / "distill"
+    ckpt = out / "checkpoint-4"
+    merged = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    init = AutoModelForCausalLM.from_pretrained(out / "init").eval()
+    x = torch.randint(3, 250, (2, 12))
+    with torch.no_grad():
+        base_logits = init(x).logits
+        adapted = PeftModel.from_pretrained(init, ckpt / "adapter").eval()
+        torch.testing.assert_close(merged(x).logits, adapted(x).logits, atol=1e-4, rtol=1e-4)
+        assert (merged(x).logits - base_logits).abs().max() > 1e-3  # the adapter learned something
+    cfg_json = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert Path(cfg_json["base_model_name_or_path"]).resolve() == (out / "init").resolve()
+
+
+def test_topk_teacher_on_policy_gradient_checkpointing_and_wandb(gen, tmp_path):
+    s = train.run(setup_run(gen, tmp_path, "topk", "train.teacher=topk", "loss=jsd", "train.max_steps=3",
+                            "logger=wandb", "wandb_mode=offline"))
+    assert s["done"] and all(x == x for x in losses(s))
+    assert list((tmp_path / "topk" / "distill").glob("wandb/*"))
+    s = train.run(setup_run(gen, tmp_path, "onp", "train.on_policy_fraction=1.0", "train.on_policy_max_new_tokens=6",
+                            "train.max_steps=2", "loss=rkl"))
+    assert all(h["on_policy"] for h in s["history"][1:]) and all(x == x for x in losses(s))
+    plain = train.run(setup_run(gen, tmp_path, "gc0", "train.max_steps=2"))
+    gc = train.run(setup_run(gen, tmp_path, "gc1", "train.max_steps=2", "train.gradient_checkpointing=true"))
+    assert losses(plain) == pytest.approx(losses(gc), abs=1e-5)
+
+
+def test_time_budget_stops_with_checkpoint_and_eval(gen, tmp_path):
+    s = train.run(setup_run(gen, tmp_path, "tb", "train.max_steps=50", "train.time_budget_min=1e-6"))
+    assert s["stopped"] == "time_budget" and s["step"] == 1 and s["done"]
+    assert (tmp_path / "tb" / "distill" / "checkpoint-1").exists()
+    assert s["history"][-1]["teacher_forced_acceptance"] is not None
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatch):
+    real = train.chunked_distill_loss
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        total, n = real(*a, **kw)
+        calls["n"] += 1
+        return (total * float("nan") if calls["n"] > 2 else total), n
+
+    monkeypatch.setattr(train, "chunked_distill_loss", flaky)
+    cfg = setup_run(gen, tmp_path, "nan", "train.max_steps=6", "train.save_every=2")
+    with pytest.raises(TrainingDiverged, match=r"step 3 .*micro-batch 0 records .*checkpoint-2"):
+        train.run(cfg)
+    out = tmp_path / "nan" / "distill"
+    assert (out / "checkpoint-2" / "trainer_state" / "state.pt").exists() and not (out / "checkpoint-3").exists()
+
+
+def test_bad_input(gen, tmp_path):
+    with pytest.raises(ConfigError, match="distill.generate"):
+        train.run(make_cfg(tmp_path, "empty", gen["prompts"]))
+    cfg = setup_run(gen, tmp_path, "tok", "train.max_steps=1")
+    man = tmp_path / "tok" / "generate" / "manifest.json"
+    man.write_text(json.dumps({**json.loads(man.read_text()), "tokenizer_fingerprint": "0" * 16}))
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        train.run(cfg)
+    with pytest.raises(ConfigError, match="lora_target_modules.*c_attn.*q_proj"):
+        train.run(setup_run(gen, tmp_path, "lora", "student=lora", "student.lora_target_modules=[c_attn]"))
+    with pytest.raises(ConfigError, match="store_topk"):
+        train.run(setup_run(gen, tmp_path, "topk0", "train.teacher=topk", "generate.store_topk=0"))
+    cfg = setup_run(gen, tmp_path, "nocol", "train.teacher=topk")
+    for f in (tmp_path / "nocol" / "generate").glob("*.parquet"):
+        t = pq.read_table(f)
+        pq.write_table(t.drop(["topk_ids", "topk_logits"]).replace_schema_metadata(t.schema.metadata), f)
+    with pytest.raises(ConfigError, match="no top-k logits"):
+        train.run(cfg)
+    with pytest.raises(ConfigError, match="holdout"):
+        train.run(setup_run(gen, tmp_path, "held", "train.holdout=100"))
+    # the CLI: one line on stderr, exit code 2
+    res = subprocess.run([sys.executable, "-m", "distill.train", *overrides(tmp_path, "cli", gen["prompts"], "loss.name=foo")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "loss.name='foo'" in res.stderr
