@@ -113,6 +113,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: str = "auto"  # auto | never
     gradient_checkpointing: bool = False
+    # false: the prompt prefix runs without autograd (as a KV cache); same loss, cheaper backward, the
+    # gradient through prompt activations is dropped (ignored with gradient_checkpointing)
+    prompt_grad: bool = True
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no on CPU
 
 

@@ -18,8 +18,8 @@ How it stays correct:
 - Batches are length-sorted buckets of left-padded prompts; finished rows leave the batch. Greedy
   records equal `model.generate` run one prompt at a time (fp32, checked on the tiny model in tests
   and on SmolLM2 by scripts/bench_generate.py; a true float tie could in principle differ).
-- Every row samples from its own generator, seeded from (seed, id), so a record does not depend on
-  which rows shared its batch. Shards are written to a temp name and renamed, at batch boundaries,
+- Every row samples from its own generator, seeded from (seed, id), so a record's random draws do
+  not depend on which rows share its batch. Shards are written to a temp name and renamed, at batch boundaries,
   so a resumed run redoes exactly the batches a crash lost: the result equals an uninterrupted run.
 - Done ids come from the shards themselves; each shard carries the settings that made it, and data
   made with another model, tokenizer or sampling setting is refused (generate.overwrite=true clears it).

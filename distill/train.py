@@ -23,6 +23,7 @@ renormalised), so α_TF is exact up to the target's tail mass beyond them (repor
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -50,15 +51,31 @@ class TrainingDiverged(ConfigError):
 
 
 class DraftLoss(torch.nn.Module):
-    """The draft plus its loss, so that DDP/FSDP see one forward: batch -> (loss sum, positions)."""
+    """The draft plus its loss, so that DDP/FSDP see one forward: batch -> (loss sum, positions).
 
-    def __init__(self, draft: torch.nn.Module, loss_cfg: Any, vocab: int):
+    prompt_grad=False runs the prefix that no batch row trains on (up to the first trained position)
+    without autograd and feeds it as a KV cache: the loss is the same, only the gradient paths through
+    the prompt tokens' own activations are dropped, which saves most of the backward pass when prompts
+    are longer than answers.
+    """
+
+    def __init__(self, draft: torch.nn.Module, loss_cfg: Any, vocab: int, prompt_grad: bool = True):
         super().__init__()
-        self.draft, self.lc, self.vocab = draft, loss_cfg, vocab
+        self.draft, self.lc, self.vocab, self.prompt_grad = draft, loss_cfg, vocab, prompt_grad
 
     def forward(self, input_ids, attention_mask, positions, labels, teacher):
         decoder, head = decoder_and_head(self.draft)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        start = int(positions.float().argmax(dim=1).min()) if not self.prompt_grad else 0  # first trained column
+        if start > 0:
+            # transformers >= 5 names the KV cache `cache`, earlier versions `past_key_values`
+            key = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+            with torch.no_grad():
+                out = decoder(input_ids=input_ids[:, :start], attention_mask=attention_mask[:, :start], use_cache=True)
+            hidden = decoder(input_ids=input_ids[:, start:], attention_mask=attention_mask, use_cache=True,
+                             **{key: out[key]}).last_hidden_state  # [B, T - start, H]
+            positions, labels = positions[:, start:], labels[:, start:]
+        else:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
         lc = self.lc
         return chunked_distill_loss(
             hidden, head, positions, teacher, lc.name, lc.beta, lc.temperature,
@@ -165,7 +182,7 @@ def run(cfg: DictConfig) -> dict:
         student.float()  # master weights in fp32; autocast computes in bf16
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay)
     scheduler = _schedule(optimizer, t)
-    model = acc.prepare(DraftLoss(student, lc, vocab))
+    model = acc.prepare(DraftLoss(student, lc, vocab, prompt_grad=t.prompt_grad or t.gradient_checkpointing))
     rank, world = acc.process_index, acc.num_processes
     micro = holdout[rank::world]
     ref = holdout_reference(target, micro, t.batch_size, vocab, acc.device, lc.chunk_size)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distill.config import DataConfig, ModelConfig  # noqa: E402
 from distill.data import encode_prompt, load_prompts  # noqa: E402
 from distill.evaluate import merge_metrics  # noqa: E402
-from distill.models import draft_from_target, load_model, load_target, load_tokenizer, shared_vocab_size  # noqa: E402
+from distill.models import draft_from_target, load_model, load_target, shared_vocab_size  # noqa: E402
 from specdec import (  # noqa: E402
     ModelDrafter,
     PromptLookupDrafter,
@@ -137,7 +137,8 @@ def main(argv=None) -> None:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompts = bench_prompts(tok, args.prompts)
     g = args.gamma
-    spec = SpeculativeDecoder(target, ModelDrafter(draft), gamma=g, eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
+    spec = SpeculativeDecoder(target, ModelDrafter(draft), gamma=g, eos_token_id=eos, pad_token_id=pad,
+                              vocab_size=vocab)
     lookup = SpeculativeDecoder(target, PromptLookupDrafter(), gamma=g, eos_token_id=eos, pad_token_id=pad,
                                 vocab_size=vocab)
     draft.generation_config.num_assistant_tokens = g
@@ -185,20 +186,23 @@ def main(argv=None) -> None:
                    "predicted_speedup": None, "greedy_identical": None}
             if isinstance(r["metrics"][0], dict):  # Hugging Face rows: τ from the counted target calls
                 calls = sum(m["target_calls"] for m in r["metrics"])
-                row["tokens_per_target_call"] = n_tok / calls if name != "HF generate (target alone)" and calls else None
+                if name != "HF generate (target alone)" and calls:
+                    row["tokens_per_target_call"] = n_tok / calls
             elif name != "target alone":
                 m = merge_metrics(r["metrics"], 1)
                 m.baseline_target_step_s = base_m.target_step_s
                 row.update(acceptance_rate=m.acceptance_rate, tokens_per_target_call=m.tokens_per_target_call,
                            cost_ratio=m.cost_ratio, predicted_speedup=m.predicted_speedup,
-                           draft_acceptance_ratio=m.draft_acceptance_ratio)
+                           draft_acceptance_ratio=m.draft_acceptance_ratio,
+                           verify_cost=m.target_time_s / m.target_calls / base_m.target_step_s)
             if temp == 0:
                 row["greedy_identical"] = r["tokens"] == base["tokens"]
             rows.append(row)
         if "HF assisted" in res:
             tps = {r["method"]: r["tokens_per_s"] for r in rows if r["temperature"] == temp}
             print(f"T={temp:g}: tokens/s ratios: specdec ÷ HF assisted = {tps['specdec'] / tps['HF assisted']:.2f}, "
-                  f"prompt lookup ÷ HF prompt lookup = {tps['prompt lookup'] / tps['HF prompt lookup']:.2f}", flush=True)
+                  f"prompt lookup ÷ HF prompt lookup = {tps['prompt lookup'] / tps['HF prompt lookup']:.2f}",
+                  flush=True)
 
     if args.batch > 0:
         bp = [prompts[i % len(prompts)] for i in range(args.batch)]
@@ -227,15 +231,18 @@ def main(argv=None) -> None:
                      "acceptance_rate": m.acceptance_rate, "tokens_per_target_call": m.tokens_per_target_call,
                      "cost_ratio": m.cost_ratio, "predicted_speedup": m.predicted_speedup,
                      "greedy_identical": outs["specdec"].tokens == outs["target alone"].tokens,
-                     "target_alone_tokens_per_s": tput["target alone"]})
+                     "target_alone_tokens_per_s": tput["target alone"],
+                     "verify_cost": m.target_time_s / m.target_calls / m.baseline_target_step_s})
 
-    cols = ["method", "T", "batch", "tokens/s", "α", "τ", "c", "speedup", "predicted_speedup", "greedy_identical"]
+    # verify÷step: one verify call (γ+1 tokens) ÷ one target-alone step; predicted_speedup assumes 1
+    cols = ["method", "T", "batch", "tokens/s", "α", "τ", "c", "speedup", "predicted_speedup", "greedy_identical",
+            "verify÷step"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         vals = [r["method"], fmt(r["temperature"], "g"), str(r["batch_size"]), fmt(r["tokens_per_s"], ".1f"),
                 fmt(r["acceptance_rate"]), fmt(r["tokens_per_target_call"]), fmt(r["cost_ratio"], ".3f"),
-                fmt(r["speedup"]), fmt(r["predicted_speedup"]), fmt(r["greedy_identical"])]
+                fmt(r["speedup"]), fmt(r["predicted_speedup"]), fmt(r["greedy_identical"]), fmt(r.get("verify_cost"))]
         print("| " + " | ".join(vals) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

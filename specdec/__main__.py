@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from transformers import AutoTokenizer
 
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    default_dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
     tok = AutoTokenizer.from_pretrained(args.target)
     target = _load(args.target, args.device, dtype)
     vocab_size = None

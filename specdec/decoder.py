@@ -61,7 +61,9 @@ class GammaPolicy:
         if policy not in GAMMA_POLICIES:
             raise ValueError(f"gamma_policy must be one of {GAMMA_POLICIES} (got {policy!r})")
         if not isinstance(gamma, int) or gamma < 1:
-            raise ValueError(f"gamma must be an integer >= 1 (got {gamma!r}); for no drafting use autoregressive_generate")
+            raise ValueError(
+                f"gamma must be an integer >= 1 (got {gamma!r}); for decoding without a draft use autoregressive_generate"
+            )
         if not 1 <= gamma_min <= gamma <= gamma_max:
             raise ValueError(f"need 1 <= gamma_min <= gamma <= gamma_max (got {gamma_min}, {gamma}, {gamma_max})")
         self.gamma, self.policy, self.gamma_min, self.gamma_max = gamma, policy, gamma_min, gamma_max
@@ -85,8 +87,8 @@ def left_pad(
     """Ragged prompts (lists, or a tensor with any padding mask) -> left-padded ids [B, S], mask [B, S]."""
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids[None] if input_ids.dim() == 1 else input_ids
-        m = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.reshape(ids.shape).bool()
-        rows = [[t for t, keep in zip(r, mr) if keep] for r, mr in zip(ids.tolist(), m.tolist())]
+        m = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.reshape(ids.shape)
+        rows = [[t for t, keep in zip(r, mr) if keep] for r, mr in zip(ids.tolist(), m.bool().tolist())]
     else:
         rows = [list(r) for r in input_ids]
         if rows and not isinstance(input_ids[0], (list, tuple, torch.Tensor)):

@@ -80,7 +80,8 @@ class ModelDrafter(Drafter):
         last_tokens = last_tokens.to(kv.device)
         if any(self._carry_host):
             tokens = torch.stack([self._carry, last_tokens], dim=1)  # [B, 2]
-            valid = None if all(self._carry_host) else torch.stack([self._carry_valid, torch.ones_like(self._carry_valid)], 1)
+            both = torch.stack([self._carry_valid, torch.ones_like(self._carry_valid)], dim=1)  # [B, 2]
+            valid = None if all(self._carry_host) else both
             logits = kv.step(tokens, valid, keep=1)  # [B, 1, V]
         else:
             logits = kv.step(last_tokens[:, None], keep=1)  # [B, 1, V]

@@ -35,7 +35,8 @@ def logits_width(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and getattr(head, "weight", None) is not None:
         return int(head.weight.shape[0])
-    return int(model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(cfg.vocab_size)
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:

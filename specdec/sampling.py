@@ -90,7 +90,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     clocks) and, unlike torch.multinomial, needs no host sync.
     """
     u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)
-    clocks = u.clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()  # Exponential(1); 3x faster than exponential_ on CPU
+    # Exponential(1) clocks as -log(u): 3x faster than Tensor.exponential_ on CPU
+    clocks = u.clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
     return (probs / clocks).argmax(dim=-1)
 
 

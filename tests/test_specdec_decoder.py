@@ -316,7 +316,9 @@ def test_bad_input(target, draft):
 
 # -- sampling: distribution equals the target's (G-test) -----------------------------------------
 def _chi2_sf(x: float, df: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+    """Survival function of the chi-square distribution: Q(df/2, x/2), the regularized upper gamma."""
+    half = lambda v: torch.tensor(v / 2, dtype=torch.float64)  # noqa: E731
+    return float(torch.special.gammaincc(half(df), half(x)))
 
 
 def _g_test(counts: torch.Tensor, expected_p: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -342,7 +344,8 @@ def _exact_first_two(model, prompt, params):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9)],
+@pytest.mark.parametrize("params",
+                         [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9)],
                          ids=["T1", "T0.8-k40-p0.9"])
 def test_sampling_distribution_matches_target(target, draft, params):
     # N rows of one prompt in one batch; N is sized so that a 2% TV shift between the two most

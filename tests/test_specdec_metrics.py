@@ -49,7 +49,8 @@ def test_to_dict_names():
     assert SpecMetrics().to_dict()["acceptance_rate"] is None  # 0/0 is undefined, not 0
 
 
-@pytest.mark.parametrize("alpha,gamma,c", [(0.0, 4, 0.1), (0.5, 3, 0.2), (0.8, 4, 0.05), (0.9, 7, 0.0), (0.999999, 5, 0.1)])
+@pytest.mark.parametrize("alpha,gamma,c",
+                         [(0.0, 4, 0.1), (0.5, 3, 0.2), (0.8, 4, 0.05), (0.9, 7, 0.0), (0.999999, 5, 0.1)])
 def test_predicted_speedup_formula(alpha, gamma, c):
     expected = (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
     assert predicted_speedup(alpha, gamma, c) == pytest.approx(expected, rel=1e-9)

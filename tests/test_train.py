@@ -215,6 +215,9 @@ def test_topk_teacher_on_policy_gradient_checkpointing_and_wandb(gen, tmp_path):
     plain = train.run(setup_run(gen, tmp_path, "gc0", "train.max_steps=2"))
     gc = train.run(setup_run(gen, tmp_path, "gc1", "train.max_steps=2", "train.gradient_checkpointing=true"))
     assert losses(plain) == pytest.approx(losses(gc), abs=1e-5)
+    # prompt_grad=false: the same loss (the first step, same weights), a different gradient path
+    nopg = train.run(setup_run(gen, tmp_path, "pg0", "train.max_steps=2", "train.prompt_grad=false"))
+    assert losses(nopg)[0] == pytest.approx(losses(plain)[0], abs=1e-5) and losses(nopg)[1] == losses(nopg)[1]
 
 
 def test_time_budget_stops_with_checkpoint_and_eval(gen, tmp_path):
