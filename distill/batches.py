@@ -33,7 +33,7 @@ class Example:
     topk_logits: Optional[np.ndarray] = None  # [T, k] float
 
 
-def _nested(col, with_values: bool) -> tuple[np.ndarray, np.ndarray]:
+def _nested(col) -> tuple[np.ndarray, np.ndarray]:
     """A pyarrow list<fixed_size_list<k>> column -> (row offsets [R+1], values [sum T, k])."""
     arr = col.combine_chunks()
     offsets = arr.offsets.to_numpy()
@@ -50,13 +50,15 @@ def to_examples(records: Any, max_seq_len: int, with_topk: bool = False) -> list
     Too long: the prompt is cut from the left (keeping ≥ 1 token), then the response from the right.
     Records with an empty response carry no training signal and are dropped.
     """
+    if getattr(records, "_indices", None) is not None:  # a selected/shuffled view: materialise its rows
+        records = records.flatten_indices()
     table = records.data.table if hasattr(records, "data") else records
     ids = table.column("id").to_pylist()
     prompts = table.column("prompt_ids").to_pylist()
     responses = table.column("response_ids").to_pylist()
     if with_topk:
-        off_i, top_ids = _nested(table.column("topk_ids"), True)
-        off_l, top_logits = _nested(table.column("topk_logits"), True)
+        off_i, top_ids = _nested(table.column("topk_ids"))
+        off_l, top_logits = _nested(table.column("topk_logits"))
     out = []
     for i, (rid, p, r) in enumerate(zip(ids, prompts, responses)):
         if not r:

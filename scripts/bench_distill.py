@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import os
 import resource
@@ -79,15 +80,15 @@ def alphas(draft, refs: dict, vocab: int) -> dict:
 @torch.no_grad()
 def decode_step_s(model, steps: int = 24) -> float:
     """Median seconds of one batch-1 decode step with a KV cache after a 64-token prefill."""
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = torch.arange(100, 164).unsqueeze(0).to(model.device)
     out = model(ids, use_cache=True)
-    cache, times = out.past_key_values, []
+    times = []
     tok = ids[:, -1:]
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(tok, past_key_values=cache, use_cache=True)
+        out = model(tok, use_cache=True, **{key: out[key]})
         times.append(time.perf_counter() - t0)
-        cache = out.past_key_values
     return sorted(times)[len(times) // 2]
 
 

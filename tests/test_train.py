@@ -268,3 +268,16 @@ def test_bad_input(gen, tmp_path):
     res = subprocess.run([sys.executable, "-m", "distill.train", *overrides(tmp_path, "cli", gen["prompts"], "loss.name=foo")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "loss.name='foo'" in res.stderr
+
+
+def test_examples_from_a_selected_view_are_those_rows(gen):
+    from distill.batches import to_examples
+    from distill.generate import load_generated
+
+    ds = load_generated(gen["dir"].parent)
+    full = {e.id: e for e in to_examples(ds, 512, with_topk=True)}
+    picked = to_examples(ds.select([3, 0, 5]), 512, with_topk=True)
+    assert [e.id for e in picked] == [ds[i]["id"] for i in (3, 0, 5)]
+    for e in picked:
+        assert (e.prompt_ids, e.response_ids) == (full[e.id].prompt_ids, full[e.id].response_ids)
+        assert (e.topk_ids == full[e.id].topk_ids).all()
