@@ -159,6 +159,7 @@ class Config:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "specdistill"
     stages: list[str] = field(default_factory=lambda: ["generate", "distill", "evaluate", "publish"])
+    gamma: Optional[int] = None  # shorthand for evaluate.gammas=[gamma], for sweeps: -m gamma=3,5
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval_data: dict[str, DataConfig] = field(default_factory=dict)
@@ -231,6 +232,7 @@ def validate(cfg: DictConfig | Config) -> None:
     need(lo.temperature > 0, f"loss.temperature={lo.temperature} must be > 0")
     need(lo.ce_weight >= 0, "loss.ce_weight must be >= 0")
     need(lo.chunk_size >= 1, "loss.chunk_size must be >= 1")
+    need(cfg.get("gamma") is None or cfg.gamma >= 1, f"gamma={cfg.get('gamma')} must be >= 1 (or null: use evaluate.gammas)")
     t = cfg.train
     need(t.max_steps >= 1, "train.max_steps must be >= 1")
     need(t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1")

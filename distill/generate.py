@@ -15,12 +15,14 @@ the target's k largest raw logits at each response position, 6*k bytes per token
 compression (k=64: 384 B/token, ~48 KB for a 128-token answer).
 
 How it stays correct:
-- Batches are length-sorted buckets of left-padded prompts; finished rows leave the batch. Greedy
+- Prompts are decoded longest first in left-padded batches; a finished row leaves the batch and, once
+  half of it is free, the next prompts are prefilled and join it (continuous batching). Greedy
   records equal `model.generate` run one prompt at a time (fp32, checked on the tiny model in tests
   and on SmolLM2 by scripts/bench_generate.py; a true float tie could in principle differ).
 - Every row samples from its own generator, seeded from (seed, id), so a record's random draws do
-  not depend on which rows share its batch. Shards are written to a temp name and renamed, at batch boundaries,
-  so a resumed run redoes exactly the batches a crash lost: the result equals an uninterrupted run.
+  not depend on which rows share its batch. A shard holds shard_size finished records and is written
+  to a temp name and renamed; a crash loses only the rows in flight and the unwritten records, which a
+  resumed run redoes: the result equals an uninterrupted run.
 - Done ids come from the shards themselves; each shard carries the settings that made it, and data
   made with another model, tokenizer or sampling setting is refused (generate.overwrite=true clears it).
 - Under `accelerate launch` each process takes the prompts whose id hashes to its rank. (On a
@@ -35,7 +37,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import datasets
 import hydra
@@ -148,44 +150,64 @@ def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, wor
 
 
 class HFBackend:
-    """Batched KV-cached decoding with the target in this process, on specdec's KVModel.
+    """Continuously batched KV-cached decoding with the target in this process, on specdec's KVModel.
 
     Like specdec.decoder.autoregressive_generate, plus what records need: a generator per row
-    (seeded per record: its random draws do not depend on the rows sharing its batch) and the top-k logits.
+    (seeded per record: its random draws do not depend on the rows sharing its batch) and the top-k
+    logits. Finished rows leave the batch; once half of it is free, the next prompts are prefilled
+    and join it (KVModel.absorb), so the batch stays full while answers of different lengths end.
     """
 
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, tok: Any):
         g = cfg.generate
-        self.g, self.tok = g, tok
-        self.kv = KVModel(model, vocab_size=shared_vocab_size(tok, model))
+        self.g, self.tok, self.model = g, tok, model
+        self.vocab = shared_vocab_size(tok, model)
         self.params = SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
         gen_eos = model.generation_config.eos_token_id
         gen_eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
         self.eos = {int(t) for t in [tok.eos_token_id, *gen_eos] if t is not None}
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.continuous = True  # cleared when the model's cache cannot absorb new rows
+
+    def _admit(self, items: list[Item]) -> tuple[KVModel, torch.Tensor]:
+        """Prefill new prompts in a batch of their own -> (its KVModel, next-token logits [b, V])."""
+        kv = KVModel(self.model, vocab_size=self.vocab)
+        ids, mask = left_pad([it.prompt_ids for it in items], None, self.pad, kv.device)  # [b, S]: last column real
+        kv.prefill(ids[:, :-1], mask[:, :-1])
+        return kv, kv.step(ids[:, -1:])[:, -1]
 
     @torch.no_grad()
-    def generate(self, batch: list[Item]) -> list[Output]:
-        g, kv, dev = self.g, self.kv, self.kv.device
-        B = len(batch)
-        ids, mask = left_pad([it.prompt_ids for it in batch], None, self.pad, dev)  # [B, S]: last column real
-        kv.prefill(ids[:, :-1], mask[:, :-1])
-        logits = kv.step(ids[:, -1:])[:, -1]  # [B, V]
-        gens = None if self.params.greedy else [torch.Generator(dev).manual_seed(it.seed) for it in batch]
-        out = [Output([], "length", [] if g.store_topk else None, [] if g.store_topk else None) for _ in batch]
-        alive = list(range(B))  # batch rows still decoding, in kv row order
-        while True:
+    def stream(self, items: list[Item]) -> Iterator[tuple[Item, Output]]:
+        """Decode every item; yields (item, output) as each answer ends (not in input order)."""
+        g, B, queue = self.g, self.g.batch_size, list(reversed(items))
+        kv, logits, rows = None, None, []  # rows: [item, output, generator] in the batch's row order
+        while queue or rows:
+            if queue and (not rows or (self.continuous and B - len(rows) >= max(1, B // 2))):
+                new = [queue.pop() for _ in range(min(B - len(rows), len(queue)))]
+                new_kv, new_logits = self._admit(new)
+                try:
+                    if rows:
+                        kv.absorb(new_kv)
+                        logits = torch.cat([logits, new_logits])
+                    else:
+                        kv, logits = new_kv, new_logits
+                except NotImplementedError:  # e.g. sliding-window caches: static batches instead
+                    self.continuous = False
+                    queue += reversed(new)
+                    continue
+                rows += [[it, Output([], "length", [] if g.store_topk else None, [] if g.store_topk else None),
+                          None if self.params.greedy else torch.Generator(kv.device).manual_seed(it.seed)] for it in new]
             if g.store_topk:
                 top = logits.float().topk(min(g.store_topk, logits.shape[-1]), dim=-1)  # [b, k]
                 top_ids, top_vals = top.indices.int().cpu().numpy(), top.values.half().cpu().numpy()
-            if gens is None:
+            if self.params.greedy:
                 nxt = logits.argmax(-1)  # [b]
             else:
                 probs = logits_to_probs(logits, self.params)  # [b, V]
-                nxt = torch.stack([sample(probs[j], gens[b]) for j, b in enumerate(alive)])
+                nxt = torch.stack([sample(probs[j], r[2]) for j, r in enumerate(rows)])
             keep = []
-            for j, (b, t) in enumerate(zip(alive, nxt.tolist())):
-                o = out[b]
+            for j, (r, t) in enumerate(zip(rows, nxt.tolist())):
+                o = r[1]
                 o.response_ids.append(t)
                 if g.store_topk:
                     o.topk_ids.append(top_ids[j])
@@ -194,17 +216,23 @@ class HFBackend:
                     o.finish_reason = "eos"
                 elif len(o.response_ids) < g.max_new_tokens:
                     keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(alive):  # finished rows leave the batch
-                rows = torch.tensor(keep, device=dev)
-                kv.select_rows(rows)
-                nxt, alive = nxt[rows], [alive[j] for j in keep]
+                    continue
+                if g.store_topk:
+                    o.topk_ids, o.topk_logits = np.stack(o.topk_ids), np.stack(o.topk_logits)
+                yield r[0], o
+            if len(keep) < len(rows):  # finished rows leave the batch
+                rows = [rows[j] for j in keep]
+                if not rows:
+                    continue
+                idx = torch.tensor(keep, device=kv.device)
+                kv.select_rows(idx)
+                nxt = nxt[idx]
             logits = kv.step(nxt[:, None])[:, -1]
-        if g.store_topk:
-            for o in out:
-                o.topk_ids, o.topk_logits = np.stack(o.topk_ids), np.stack(o.topk_logits)
-        return out
+
+    def generate(self, batch: list[Item]) -> list[Output]:
+        """Outputs for ``batch`` in its order."""
+        done = {it.id: o for it, o in self.stream(batch)}
+        return [done[it.id] for it in batch]
 
 
 class VLLMBackend:
@@ -228,6 +256,12 @@ class VLLMBackend:
         self.llm = LLM(model=resolve_model_path(m.target, m.cache_dir), revision=m.revision,
                        dtype="auto" if m.dtype == "auto" else m.dtype, seed=int(cfg.seed),
                        trust_remote_code=m.trust_remote_code)
+
+    def stream(self, items: list[Item]) -> Iterator[tuple[Item, Output]]:
+        """(item, output) pairs, in chunks of max(shard_size, batch_size) handed to vLLM at once."""
+        n = max(self.g.shard_size, self.g.batch_size)
+        for start in range(0, len(items), n):
+            yield from zip(items[start : start + n], self.generate(items[start : start + n]))
 
     def generate(self, batch: list[Item]) -> list[Output]:
         from vllm import SamplingParams
@@ -405,30 +439,28 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _generate(cfg: DictConfig, out: Path, todo: list[Item], tok: Any, ident: dict, rank: int, state: Any) -> tuple[int, float]:
-    """Decode `todo` in length-sorted batches, writing shards at batch boundaries -> (new tokens, seconds)."""
+    """Decode `todo` (longest prompts first), writing a shard per shard_size finished records -> (new tokens, seconds)."""
     g = cfg.generate
     if g.backend == "vllm":
-        backend, batch_size = VLLMBackend(cfg, tok), max(g.shard_size, g.batch_size)
+        backend = VLLMBackend(cfg, tok)
     else:
         mcfg = cfg.model
         if mcfg.device == "auto" and state.num_processes > 1:  # one device per process
             mcfg = OmegaConf.merge(mcfg, {"device": str(state.device)})
         model, _ = load_target(mcfg)
-        backend, batch_size = HFBackend(cfg, model, tok), g.batch_size
+        backend = HFBackend(cfg, model, tok)
     n_next = 1 + max([int(p.stem.split("-")[-1]) for p in out.glob(f"shard-r{rank}-*.parquet")] or [-1])
     buf_items: list[Item] = []
     buf_out: list[Output] = []
-    tokens, t0 = 0, time.perf_counter()
+    tokens, n_done, t0 = 0, 0, time.perf_counter()
     bar = tqdm(total=len(todo), unit="rec", desc=f"generate[r{rank}]", disable=not state.is_main_process)
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
-        outputs = backend.generate(batch)
-        buf_items += batch
-        buf_out += outputs
-        tokens += sum(len(o.response_ids) for o in outputs)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
-        if len(buf_items) >= g.shard_size or start + batch_size >= len(todo):
+    for item, output in backend.stream(todo):
+        buf_items.append(item)
+        buf_out.append(output)
+        tokens, n_done = tokens + len(output.response_ids), n_done + 1
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+        if len(buf_items) >= g.shard_size or n_done == len(todo):
             write_shard(out, f"shard-r{rank}-{n_next:05d}.parquet", buf_items, buf_out, g, ident, tok)
             n_next, buf_items, buf_out = n_next + 1, [], []
     bar.close()

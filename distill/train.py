@@ -220,8 +220,11 @@ def run(cfg: DictConfig) -> dict:
 
     G = t.batch_size * world * t.grad_accum
     logger = _Logger(cfg, out, acc.is_main_process)
-    bar = tqdm(total=t.max_steps, initial=state["step"], desc="distill", disable=not acc.is_main_process)
     budget_s = t.time_budget_min * 60 if t.time_budget_min else math.inf
+    timed = math.isfinite(budget_s)  # the bar counts seconds of the budget, else steps
+    bar = tqdm(total=int(budget_s) if timed else t.max_steps, initial=int(state["elapsed_s"]) if timed else state["step"],
+               unit="s" if timed else "step", desc=f"distill ({t.time_budget_min:g} min budget)" if timed else "distill",
+               disable=not acc.is_main_process)
     stopped = "max_steps"
     alpha_now = state["history"][-1].get("teacher_forced_acceptance") if state["history"] else None
 
@@ -305,8 +308,8 @@ def run(cfg: DictConfig) -> dict:
                     ck.save_best(out, student, tok, best, cfg.student.merge)
         state["history"].append(entry)
         logger.log(entry)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-",
+        bar.update(min(int(state["elapsed_s"]), bar.total) - bar.n if timed else 1)
+        bar.set_postfix(step=state["step"], loss=f"{loss:.4f}", alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-",
                         tok_s=f"{count / dt:.0f}")
         if state["step"] % t.save_every == 0 or last_step:
             save(state["step"])

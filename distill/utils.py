@@ -68,6 +68,8 @@ def set_seed(seed: int) -> None:
 
 def start_stage(cfg: DictConfig, stage: str) -> Path:
     """Validate, record the config, seed; returns the stage's output dir. Every run(cfg) calls this."""
+    if cfg.get("gamma") is not None:  # the sweep shorthand `gamma=3,5` stands for evaluate.gammas=[3] / [5]
+        cfg.evaluate.gammas = [int(cfg.gamma)]
     validate(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     save_config(cfg)

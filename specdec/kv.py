@@ -190,6 +190,34 @@ class KVModel:
             self.mask[:, L - trim : L] = False
             self.length = L - trim
 
+    def absorb(self, other: "KVModel") -> None:
+        """Append the rows of ``other`` (same model, its own prefill) below this batch's rows.
+
+        The shorter of the two is left-padded with hole columns, so a batch can take in new prompts
+        while its rows decode (continuous batching). Needs full-attention layer caches (transformers
+        5.x DynamicLayer); raises NotImplementedError for other cache kinds.
+        """
+        layers_a, layers_b = getattr(self.cache, "layers", None), getattr(other.cache, "layers", None)
+        if not layers_a or not layers_b or any(type(x).__name__ != "DynamicLayer" for x in layers_a + layers_b):
+            raise NotImplementedError("absorb needs transformers 5.x full-attention (DynamicLayer) caches")
+        La, Lb = self.length, other.length
+        L = max(La, Lb)
+
+        def stack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [Ba, ., La, .] + [Bb, ., Lb, .] -> [Ba+Bb, ., L, .]
+            out = a.new_zeros(a.shape[0] + b.shape[0], a.shape[1], L, a.shape[3])
+            out[: a.shape[0], :, L - La :] = a
+            out[a.shape[0] :, :, L - Lb :] = b
+            return out
+
+        for x, y in zip(layers_a, layers_b):
+            x.keys, x.values = stack(x.keys, y.keys), stack(x.values, y.values)
+        Ba, Bb = self.pos.shape[0], other.pos.shape[0]
+        mask = torch.zeros(Ba + Bb, L + 256, dtype=torch.bool, device=self.device)
+        mask[:Ba, L - La : L] = self.mask[:, :La]
+        mask[Ba:, L - Lb : L] = other.mask[:, :Lb]
+        self.mask, self.pos, self.length = mask, torch.cat([self.pos, other.pos]), L
+        self.holes = self.holes or other.holes or La != Lb
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch). rows [B'] long."""
         self.cache.batch_select_indices(rows)

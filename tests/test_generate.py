@@ -2,6 +2,7 @@
 with model.generate, crash + resume, two processes, bad input. Offline, CPU, seconds per test."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -120,6 +121,27 @@ def test_greedy_equals_model_generate_one_at_a_time(tmp_path, prompts_file):
         assert out[0, ids.shape[1]:].tolist() == r["response_ids"], r["id"]
 
 
+def test_continuous_batching_equals_one_at_a_time_when_rows_end_early(tmp_path, prompts_file):
+    """Rows that stop at EOS leave the batch and new prompts join it; every answer is unchanged."""
+    cfg = make_cfg(tmp_path, prompts_file, "generate.batch_size=4", "generate.max_new_tokens=16")
+    model, tok = load_target(cfg.model)
+    items, _ = generate.build_items(cfg, tok, model.config)
+    backend = generate.HFBackend(cfg, model, tok)
+    free = {it.id: o.response_ids for it, o in backend.stream(items)}  # never stops early: pick an EOS that ends rows
+    eos = collections.Counter(t for r in free.values() for t in r[2:-1]).most_common(1)[0][0]
+    backend.eos, admitted, real = {eos}, [], backend._admit
+    backend._admit = lambda new: admitted.append(len(new)) or real(new)
+    out = {it.id: o for it, o in backend.stream(items)}
+    assert len(admitted) > 2 and sum(admitted) == len(items)  # prompts joined a running batch
+    lengths = {len(o.response_ids) for o in out.values()}
+    assert len(lengths) > 1 and any(o.finish_reason == "eos" for o in out.values())
+    for it in items:
+        ids = torch.tensor([it.prompt_ids])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                             eos_token_id=eos, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert out[it.id].response_ids == ref, it.id
+
+
 # ---------------------------------------------------------------- resume
 
 
@@ -145,20 +167,20 @@ def test_resume_after_crash_between_shards(tmp_path, prompts_file, reference, mo
 
 def test_resume_after_crash_inside_shard(tmp_path, prompts_file, reference, monkeypatch):
     extra = (*SAMPLING, "generate.num_samples=2", "generate.store_topk=3")
-    real, calls = generate.HFBackend.generate, []
+    real, calls = generate.HFBackend._admit, []
 
-    def crash_on_third_batch(self, batch):
-        calls.append(len(batch))
-        if len(calls) == 3:  # shards hold 2 batches: the crash is half-way through the second shard
+    def crash_on_third_admission(self, items):
+        calls.append(len(items))
+        if len(calls) == 3:  # rows in flight, finished records not yet a whole shard
             raise KeyboardInterrupt
-        return real(self, batch)
+        return real(self, items)
 
-    monkeypatch.setattr(generate.HFBackend, "generate", crash_on_third_batch)
+    monkeypatch.setattr(generate.HFBackend, "_admit", crash_on_third_admission)
     with pytest.raises(KeyboardInterrupt):
         run(make_cfg(tmp_path, prompts_file, *extra))
     out = tmp_path / "t" / "generate"
     (out / ".shard-r0-00001.parquet.tmp-999").write_bytes(b"torn")  # as if killed while writing
-    monkeypatch.setattr(generate.HFBackend, "generate", real)
+    monkeypatch.setattr(generate.HFBackend, "_admit", real)
     run(make_cfg(tmp_path, prompts_file, *extra))
     assert not list(out.glob(".*tmp*"))
     assert records(tmp_path / "t") == records(reference[0])

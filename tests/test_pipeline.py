@@ -70,17 +70,20 @@ def test_pipeline_tiny_end_to_end_and_resumable(tmp_path):
 
 def test_multirun_sweep_gives_each_job_a_run_and_a_comparison_row(tmp_path):
     runs = tmp_path / "runs"
-    _cli("-m", "model=tiny", "experiment=smoke", "loss=fkl,rkl", f"runs_root={runs}", "stages=[generate,distill,evaluate]",
-         "data.limit=8", "generate.max_new_tokens=8", "evaluate.references=[target]", "evaluate.prompts_per_set=1",
-         "evaluate.max_new_tokens=8")
+    _cli("-m", "model=tiny", "experiment=smoke", "loss=fkl,rkl", "gamma=1,3", f"runs_root={runs}",
+         "stages=[generate,distill,evaluate]", "data.limit=8", "generate.max_new_tokens=8", "train.max_steps=2",
+         "evaluate.references=[target]", "evaluate.prompts_per_set=1", "evaluate.max_new_tokens=8")
     names = sorted(p.name for p in runs.iterdir() if p.name != "multirun")
-    assert len(names) == 2 and all(n.startswith("data.limit=8,") and ",model=tiny," in n for n in names)
+    assert len(names) == 4 and all(n.startswith("data.limit=8,") and ",model=tiny," in n for n in names)
     for n in names:
         assert (runs / n / "results.md").is_file()
         assert OmegaConf.load(runs / n / "config.yaml").loss.name == n.split("loss=")[1].split(",")[0]
+        gamma = int(n.split("gamma=")[1].split(",")[0])
+        report = json.loads((runs / n / "evaluate" / "report.json").read_text())
+        assert {r["gamma"] for r in report["rows"] if r["kind"] != "target"} == {gamma}
     (comparison,) = runs.glob("multirun/*/comparison.md")
     text = comparison.read_text()
-    assert "2 runs" in text and all(f"| {n}" in text for n in names)
+    assert "4 runs" in text and all(f"| {n}" in text for n in names)
 
 
 @pytest.mark.slow
