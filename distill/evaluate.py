@@ -18,11 +18,12 @@ bug; the report is written first).
 
 How it measures: every row decodes the same prompts in the same batches (formed within one
 category, so per-category α comes from the decoder's own counters) with the same max_new_tokens and
-seeds. Each speculative setting is timed `repeats` times after `warmup` untimed runs of the first
-batch, interleaved with the target alone on the same batches (repeat r: target pass, speculative
-pass), so a shared machine's drift hits both; speedup = median target-alone wall ÷ median speculative
-wall, and c uses that paired run's target step. α_TF scores the target's own greedy answers to the
-same prompts (computed once per set).
+seeds. For each (set, batch size, temperature) the target alone and every speculative decoder
+(all drafts and γ) are timed `repeats` times after `warmup` untimed runs of the first batch,
+interleaved (repeat r runs each decoder in turn), so a shared machine's drift hits all alike;
+speedup = median target-alone wall ÷ median speculative wall, and c uses that run's target step.
+α_TF scores the target-alone answers of the same setting (greedy, or sampled at that temperature),
+so it sees contexts distributed as the ones the speculative decoder visits and estimates the same α.
 """
 from __future__ import annotations
 
@@ -413,76 +414,80 @@ def run(cfg: DictConfig) -> dict:
     sets = load_eval_sets(cfg, tok, target)
     eos, pad, vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
     temps, grid = list(e.temperatures), [(bs, t) for bs in e.batch_sizes for t in e.temperatures]
-    n_models = sum(c["kind"] == "model" for c in cands)
-    hf = "hf_assisted" in e.references and n_models > 0
-    total = len(sets) * (len(grid) * (("target" in e.references) + len(cands) * len(e.gammas)) + len(e.gammas) * hf)
-    bar = tqdm(total=total, desc="evaluate", unit="setting", file=sys.stderr)
     rows: list[dict] = []
-    hf_rows: list[dict] = []  # appended after the decoder's rows
+    models: dict[str, Any] = {}  # candidate name -> loaded draft (None: prompt lookup)
+    for c in cands:  # all loaded up front: every setting times all decoders side by side
+        if c["kind"] == "model" and not c["error"]:
+            try:
+                model = _load_candidate(cfg, c, target, tok)
+                c["vocab"] = shared_vocab_size(tok, target, model)
+                models[c["name"]] = model
+            except ConfigError:
+                raise
+            except Exception as err:
+                c["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                log.warning("draft %s (%s) could not be loaded: %s", c["name"], c["draft"], c["error"])
+        elif c["kind"] == "prompt_lookup":
+            models[c["name"]] = None
+        if c["error"]:
+            rows.append({"name": c["name"], "kind": c["kind"], "draft": c["draft"], "error": c["error"],
+                         "eval_set": None, "greedy_identical": None})
+    ok = [c for c in cands if not c["error"]]
+    hf_draft = next((c for c in ok if c["kind"] == "model"), None) if "hf_assisted" in e.references else None
+    total = len(sets) * (len(grid) * (("target" in e.references) + len(ok) * len(e.gammas)) + len(e.gammas) * bool(hf_draft))
+    bar = tqdm(total=total, desc="evaluate", unit="setting", file=sys.stderr)
 
     def target_decode(temp):
         return lambda batch, seed: autoregressive_generate(
             target, batch, max_new_tokens=e.max_new_tokens, temperature=temp, top_p=e.top_p, seed=seed,
             eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
 
-    reference: dict[str, list[list[int]]] = {}  # the target's own greedy answers, per set (for α_TF)
-    for es in sets:
-        for bs, t in grid if "target" in e.references else []:
-            bar.set_postfix_str(f"target {es.name} batch={bs} T={t:g}")
-            b = _timed([target_decode(t)], es, bs, e.warmup, e.repeats, e.seed)[0]
-            rows.append({**metrics_row(merge_metrics([r.metrics for r in b.results], bs), b, b, es, name="target",
-                                       kind="target", draft=None),
-                         "gamma": 0, "acceptance_rate": None, "per_position_acceptance": [], "by_category": {}})
-            if t == 0 and es.name not in reference:
-                reference[es.name] = b.tokens(len(es.prompts))
-            bar.update(1)
-        if es.name not in reference:
-            reference[es.name] = _timed([target_decode(0.0)], es, 1, 0, 1, e.seed)[0].tokens(len(es.prompts))
+    def spec_decode(c: dict, gamma: int, temp: float):
+        model = models[c["name"]]
+        drafter = ModelDrafter(model) if model is not None else PromptLookupDrafter()
+        dec = SpeculativeDecoder(target, drafter, gamma=gamma, gamma_policy=e.gamma_policy,
+                                 eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
+        return lambda batch, seed: dec.generate(batch, max_new_tokens=e.max_new_tokens, temperature=temp,
+                                                top_p=e.top_p, seed=seed)
 
-    for c in cands:
-        model = None
-        if c["kind"] == "model" and not c["error"]:
-            try:
-                model = _load_candidate(cfg, c, target, tok)
-                vocab_c = shared_vocab_size(tok, target, model)
-            except ConfigError:
-                raise
-            except Exception as err:
-                c["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                log.warning("draft %s (%s) could not be loaded: %s", c["name"], c["draft"], c["error"])
-        if c["error"]:
-            rows.append({"name": c["name"], "kind": c["kind"], "draft": c["draft"], "error": c["error"],
-                         "eval_set": None, "greedy_identical": None})
-            bar.update(len(sets) * len(grid) * len(e.gammas))
-            continue
-        for es in sets:
-            tf = teacher_forced(target, model, es, reference[es.name], temps, e.top_p, vocab_c) if model else {}
-            for bs, t in grid:
-                for gamma in e.gammas:
-                    bar.set_postfix_str(f"{c['name']} {es.name} batch={bs} T={t:g} γ={gamma}")
-                    drafter = ModelDrafter(model) if model is not None else PromptLookupDrafter()
-                    dec = SpeculativeDecoder(target, drafter, gamma=gamma, gamma_policy=e.gamma_policy,
-                                             eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
-                    spec = lambda batch, seed: dec.generate(  # noqa: E731
-                        batch, max_new_tokens=e.max_new_tokens, temperature=t, top_p=e.top_p, seed=seed)
-                    b, run_ = _timed([target_decode(t), spec], es, bs, e.warmup, e.repeats, e.seed)
-                    m = merge_metrics([r.metrics for r in run_.results], bs)
-                    m.baseline_target_step_s = merge_metrics([r.metrics for r in b.results], bs).target_step_s
-                    row = metrics_row(m, run_, b, es, name=c["name"], kind=c["kind"], draft=c["draft"])
-                    row["teacher_forced_acceptance"] = tf.get(t)
-                    if t == 0:
-                        n = len(es.prompts)
-                        bad, ties = greedy_check(target, es, b.tokens(n), run_.tokens(n), vocab)
-                        row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
-                    rows.append(row)
-                    bar.update(1)
-            if hf and model is not None:
-                hf_rows += hf_assisted_rows(target, model, c["name"], c["draft"], es, e, eos, pad, bar)
-        if model is not None:
-            hf = False  # assisted generation runs with the first draft that loads
-            del model
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    hf_rows: list[dict] = []  # appended after the decoder's rows
+    for es in sets:
+        # The target's own answers per temperature (greedy, or sampled at that temperature): α_TF is
+        # scored on them, i.e. on contexts distributed as the ones speculative decoding visits.
+        reference: dict[float, list[list[int]]] = {}
+        set_rows: list[dict] = []
+        for bs, t in grid:
+            # One interleaved timing of the target alone and every speculative decoder on the same batches.
+            specs = [(c, g) for c in ok for g in e.gammas]
+            bar.set_postfix_str(f"{es.name} batch={bs} T={t:g}: target + {len(specs)} speculative")
+            timed = _timed([target_decode(t)] + [spec_decode(c, g, t) for c, g in specs], es, bs, e.warmup,
+                           e.repeats, e.seed)
+            b = timed[0]
+            reference.setdefault(t, b.tokens(len(es.prompts)))
+            if "target" in e.references:
+                rows.append({**metrics_row(merge_metrics([r.metrics for r in b.results], bs), b, b, es,
+                                           name="target", kind="target", draft=None),
+                             "gamma": 0, "acceptance_rate": None, "per_position_acceptance": [], "by_category": {}})
+                bar.update(1)
+            base_step = merge_metrics([r.metrics for r in b.results], bs).target_step_s
+            for (c, gamma), run_ in zip(specs, timed[1:]):
+                m = merge_metrics([r.metrics for r in run_.results], bs)
+                m.baseline_target_step_s = base_step
+                row = metrics_row(m, run_, b, es, name=c["name"], kind=c["kind"], draft=c["draft"])
+                if t == 0:
+                    n = len(es.prompts)
+                    bad, ties = greedy_check(target, es, b.tokens(n), run_.tokens(n), vocab)
+                    row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
+                set_rows.append(row)
+                bar.update(1)
+        tf = {(c["name"], t): teacher_forced(target, models[c["name"]], es, reference[t], [t], e.top_p, c["vocab"])[t]
+              for c in ok if models.get(c["name"]) is not None for t in temps}
+        for row in set_rows:
+            row["teacher_forced_acceptance"] = tf.get((row["name"], row["temperature"]))
+        rows += set_rows
+        if hf_draft is not None:
+            hf_rows += hf_assisted_rows(target, models[hf_draft["name"]], hf_draft["name"], hf_draft["draft"],
+                                        es, e, eos, pad, bar)
     bar.close()
     rows += hf_rows
 

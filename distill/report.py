@@ -30,9 +30,10 @@ DEFINITIONS = {
     "draft_acceptance_ratio": "accepted ÷ proposed draft tokens (what vLLM calls acceptance); not α",
     "tokens_per_target_call": "τ: tokens emitted ÷ target forward calls (row-rounds); 1 + mean accepted",
     "per_position_acceptance": "P(draft token k accepted | tokens 1..k-1 accepted), k = 1..γ",
-    "teacher_forced_acceptance": "α_TF: mean over the target's own greedy answers to the same prompts of "
-                                 "Σ_x min(p(x), q(x)) = 1 − TV(p, q), with the row's temperature/top-p applied to "
-                                 "both (greedy: argmax agreement); needs no decoding",
+    "teacher_forced_acceptance": "α_TF: mean over the target's own answers to the same prompts at the row's "
+                                 "sampling settings (greedy, or sampled at that temperature/top-p) of "
+                                 "Σ_x min(p(x), q(x)) = 1 − TV(p, q), with the settings applied to both "
+                                 "(greedy: argmax agreement); needs no decoding",
     "cost_ratio": "c: one draft forward step ÷ one target-alone decoding step (same device, same batch size)",
     "tokens_per_s": "new tokens (all prompts) ÷ median wall time of the run",
     "speedup": "median wall time of target-alone decoding ÷ median wall time of this row, same prompts, same "

@@ -16,9 +16,13 @@ Works with transformers 4.46+ (``past_key_values=``) and 5.x (``cache=``).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import time
+from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 
@@ -46,6 +50,64 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
         return DynamicCache()
 
 
+# -- multi-token steps on CPU: a kernel choice per weight shape ------------------------------------
+# A verify pass feeds γ+1 tokens per row. CPU BLAS serves one row (gemv) near memory bandwidth but a
+# handful of rows (sgemm) often well below it, so verifying 5 tokens can cost 1.5× a decoding step
+# where the weights' memory traffic says ~1×. The transposed product (W @ xᵀ)ᵀ is the same math
+# through another kernel; which is faster depends on the shape, the BLAS and the thread count, so
+# each (weight shape, rows, threads) is timed once on the real weight and the winner is kept.
+SMALL_ROWS = 16  # inputs of 2..SMALL_ROWS rows are candidates
+_CHOICE: dict[tuple, bool] = {}  # (out, in, rows, threads, dtype) -> use the transposed product
+_plain_linear_forward = torch.nn.Linear.forward
+
+
+def _transposed(weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    return (weight @ x2d.t()).t()
+
+
+def _faster_transposed(weight: torch.Tensor, x2d: torch.Tensor, reps: int = 5) -> bool:
+    def best(fn) -> float:
+        fn()  # warm
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(lambda: _transposed(weight, x2d)) < 0.9 * best(lambda: F.linear(x2d, weight))
+
+
+def _small_rows_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // max(x.shape[-1], 1)
+    w = self.weight
+    if 1 < rows <= SMALL_ROWS and x.device.type == "cpu" and w.dim() == 2 and not torch.is_grad_enabled():
+        x2d = x.reshape(rows, x.shape[-1])
+        key = (*w.shape, rows, torch.get_num_threads(), w.dtype)
+        use = _CHOICE.get(key)
+        if use is None:
+            use = _CHOICE[key] = _faster_transposed(w, x2d)
+        if use:
+            y = _transposed(w, x2d)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], w.shape[0])
+    return _plain_linear_forward(self, x)
+
+
+@contextlib.contextmanager
+def small_rows_kernels(enabled: bool = True) -> Iterator[None]:
+    """Within this context, nn.Linear layers on 2..SMALL_ROWS CPU rows use the faster of two kernels."""
+    if not enabled or torch.nn.Linear.forward is not _plain_linear_forward:
+        yield
+        return
+    torch.nn.Linear.forward = _small_rows_linear_forward
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = _plain_linear_forward
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -63,6 +125,8 @@ class KVModel:
                 "pass the tokenizer's size (len(tokenizer)) or leave vocab_size unset"
             )
         self.device = model_device(model)
+        # Multi-token steps (verify, the draft's catch-up) after the prompt: pick the faster small-rows kernel.
+        self.small_rows = self.device.type == "cpu"
         self._cache_arg, self._keep_arg = _forward_kwargs(model)
         body = getattr(model, "base_model", None)
         self._body_cache_arg = _forward_kwargs(body)[0] if body is not None else self._cache_arg
@@ -86,7 +150,8 @@ class KVModel:
         if self._keep_arg is not None:
             kwargs[self._keep_arg] = max(keep, 1)  # 0 would mean "all positions" to the model
         self.calls += 1
-        logits = self.model(input_ids=tokens, **kwargs).logits  # [B, keep or q, width]
+        with small_rows_kernels(self.small_rows and tokens.shape[1] > 1):
+            logits = self.model(input_ids=tokens, **kwargs).logits  # [B, keep or q, width]
         return logits[:, -keep:, : self.vocab_size] if keep else logits[:, :0]
 
     # -- lazy head: hidden states now, logits only for the positions that are needed -------------
@@ -114,7 +179,8 @@ class KVModel:
         body = self.model.base_model
         kwargs = self._kwargs(self._body_cache_arg, position_ids)
         self.calls += 1
-        return body(input_ids=tokens, **kwargs).last_hidden_state
+        with small_rows_kernels(self.small_rows and tokens.shape[1] > 1):
+            return body(input_ids=tokens, **kwargs).last_hidden_state
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on hidden states [..., H] -> logits [..., V] (the first vocab_size columns)."""

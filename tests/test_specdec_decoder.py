@@ -257,7 +257,7 @@ def test_adaptive_gamma_stays_in_bounds(target):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_lazy_head_verify_equals_full_verify(target, draft, temperature):
     """Skipping the LM head after a row's first rejection changes nothing: same tokens, same counters
-    (so the statistical test below, which runs the lazy path on CPU, covers the full path too)."""
+    (so the statistical test below, which runs the default full path, covers the lazy path too)."""
     prompts = _prompts([3, 9, 1, 6, 12, 2] * 4, seed=7)
     runs = [SpeculativeDecoder(target, draft, gamma=3, lazy_head=lazy).generate(
         prompts, max_new_tokens=30, temperature=temperature, top_p=0.95 if temperature else 1.0, seed=3)
@@ -376,3 +376,35 @@ def test_sampling_distribution_matches_target(target, draft, params):
     expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
     g = 2 * float((table * torch.log(table.clamp(min=1e-300) / expected)).sum())
     assert _chi2_sf(g, table.shape[1] - 1) > 1e-3
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_small_rows_kernels_compute_the_same_linear(transposed, monkeypatch):
+    from specdec import kv
+
+    lin = torch.nn.Linear(24, 40)
+    x = torch.randn(1, 5, 24)
+    monkeypatch.setattr(kv, "_CHOICE", {(40, 24, 5, torch.get_num_threads(), lin.weight.dtype): transposed})
+    with torch.inference_mode():
+        plain = lin(x)
+        with kv.small_rows_kernels():
+            assert torch.nn.Linear.forward is not kv._plain_linear_forward
+            fast = lin(x)
+            one_row = lin(x[:, :1])  # a single row keeps the plain kernel
+    assert torch.nn.Linear.forward is kv._plain_linear_forward  # restored
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one_row, plain[:, :1], rtol=1e-5, atol=1e-6)
+
+
+def test_small_rows_kernel_choice_is_timed_once_per_shape(monkeypatch):
+    from specdec import kv
+
+    calls = []
+    monkeypatch.setattr(kv, "_CHOICE", {})
+    monkeypatch.setattr(kv, "_faster_transposed", lambda w, x: calls.append((tuple(w.shape), x.shape[0])) or True)
+    lin = torch.nn.Linear(8, 16)
+    with torch.inference_mode(), kv.small_rows_kernels():
+        for _ in range(3):
+            lin(torch.randn(3, 8))
+        lin(torch.randn(2, 3, 8))  # 6 rows: another shape
+    assert calls == [((16, 8), 3), ((16, 8), 6)]
