@@ -434,7 +434,8 @@ def run(cfg: DictConfig) -> dict:
                          "eval_set": None, "greedy_identical": None})
     ok = [c for c in cands if not c["error"]]
     hf_draft = next((c for c in ok if c["kind"] == "model"), None) if "hf_assisted" in e.references else None
-    total = len(sets) * (len(grid) * (("target" in e.references) + len(ok) * len(e.gammas)) + len(e.gammas) * bool(hf_draft))
+    per_set = len(grid) * (("target" in e.references) + len(ok) * len(e.gammas)) + len(e.gammas) * bool(hf_draft)
+    total = len(sets) * per_set
     bar = tqdm(total=total, desc="evaluate", unit="setting", file=sys.stderr)
 
     def target_decode(temp):
@@ -463,16 +464,15 @@ def run(cfg: DictConfig) -> dict:
             timed = _timed([target_decode(t)] + [spec_decode(c, g, t) for c, g in specs], es, bs, e.warmup,
                            e.repeats, e.seed)
             b = timed[0]
+            bm = merge_metrics([r.metrics for r in b.results], bs)
             reference.setdefault(t, b.tokens(len(es.prompts)))
             if "target" in e.references:
-                rows.append({**metrics_row(merge_metrics([r.metrics for r in b.results], bs), b, b, es,
-                                           name="target", kind="target", draft=None),
+                rows.append({**metrics_row(bm, b, b, es, name="target", kind="target", draft=None),
                              "gamma": 0, "acceptance_rate": None, "per_position_acceptance": [], "by_category": {}})
                 bar.update(1)
-            base_step = merge_metrics([r.metrics for r in b.results], bs).target_step_s
             for (c, gamma), run_ in zip(specs, timed[1:]):
                 m = merge_metrics([r.metrics for r in run_.results], bs)
-                m.baseline_target_step_s = base_step
+                m.baseline_target_step_s = bm.target_step_s
                 row = metrics_row(m, run_, b, es, name=c["name"], kind=c["kind"], draft=c["draft"])
                 if t == 0:
                     n = len(es.prompts)

@@ -229,11 +229,6 @@ class HFBackend:
                 nxt = nxt[idx]
             logits = kv.step(nxt[:, None])[:, -1]
 
-    def generate(self, batch: list[Item]) -> list[Output]:
-        """Outputs for ``batch`` in its order."""
-        done = {it.id: o for it, o in self.stream(batch)}
-        return [done[it.id] for it in batch]
-
 
 class VLLMBackend:
     """vLLM on a GPU: same records (per-record seeds, EOS kept in response_ids). Optional."""
