@@ -36,6 +36,9 @@ class ModelConfig:
     draft: Optional[str] = None
     draft_layers: list[int] = field(default_factory=lambda: [0, 29])
     draft_config: dict[str, Any] = field(default_factory=dict)
+    # Draft vocabulary: decode with the draft's LM head cut to the N tokens this run's generated answers
+    # use most (specdec.drafters.frequent_tokens); 0 = the whole vocabulary. Lossless either way.
+    draft_vocab: int = 0
 
 
 @dataclass
@@ -52,6 +55,9 @@ class DataConfig:
     limit: Optional[int] = None  # keep the first N after shuffling
     shuffle: bool = False
     seed: int = 0
+    # Plus up to N prompts the target writes itself (a user turn sampled from its chat template's
+    # opening, kept when it ends): chat-like training data from no data at all. Made by generate.
+    self_instruct: int = 0
 
 
 @dataclass
@@ -215,6 +221,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(bool(cfg.run_name) and os.sep not in str(cfg.run_name), "run_name must be a non-empty name without '/'")
     unknown = [s for s in cfg.stages if s not in STAGES]
     need(not unknown, f"stages has unknown {unknown}; choose from {list(STAGES)}")
+    need(cfg.data.self_instruct >= 0, f"data.self_instruct={cfg.data.self_instruct} must be >= 0 (0 = off)")
+    need(cfg.model.draft_vocab >= 0, f"model.draft_vocab={cfg.model.draft_vocab} must be >= 0 (0 = whole vocabulary)")
     g = cfg.generate
     need(g.temperature >= 0, f"generate.temperature={g.temperature} must be >= 0 (0 = greedy)")
     need(0 < g.top_p <= 1, f"generate.top_p={g.top_p} must be in (0, 1]")

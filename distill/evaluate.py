@@ -50,7 +50,15 @@ from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
 from distill.doctor import diagnose
-from distill.models import check_tokenizers, load_draft, load_model, load_target, load_tokenizer, shared_vocab_size
+from distill.models import (
+    check_tokenizers,
+    load_draft,
+    load_model,
+    load_target,
+    load_tokenizer,
+    run_draft_vocab,
+    shared_vocab_size,
+)
 from distill.utils import atomic_write_json, cli, start_stage
 from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -251,8 +259,10 @@ def greedy_check(target, es: EvalSet, reference: list[list[int]], got: list[list
 
 
 @torch.inference_mode()
-def teacher_forced(target, draft, es: EvalSet, reference: list[list[int]], temps, top_p: float, vocab: int):
-    """α_TF per temperature: Σ_x min(p, q) averaged over every target-generated position."""
+def teacher_forced(target, draft, es: EvalSet, reference: list[list[int]], temps, top_p: float, vocab: int,
+                   draft_vocab: Optional[torch.Tensor] = None):
+    """α_TF per temperature: Σ_x min(p, q) averaged over every target-generated position. With a
+    draft vocabulary, q is the draft's distribution over those ids (zero elsewhere), as decoded."""
     dev = next(target.parameters()).device
     sums, n = {t: 0.0 for t in temps}, 0
     for p, resp in zip(es.prompts, reference):
@@ -263,7 +273,12 @@ def teacher_forced(target, draft, es: EvalSet, reference: list[list[int]], temps
         tl, dl = target(ids).logits[0, span, :vocab], draft(ids).logits[0, span, :vocab]  # [n, V]
         for t in temps:
             params = SamplingParams(t, 0, top_p)
-            sums[t] += teacher_forced_acceptance(logits_to_probs(tl, params), logits_to_probs(dl, params)) * len(resp)
+            if draft_vocab is None:
+                q = logits_to_probs(dl, params)
+            else:
+                sub = draft_vocab.to(dl.device)
+                q = torch.zeros_like(dl).index_copy_(1, sub, logits_to_probs(dl[:, sub], params))  # [n, V]
+            sums[t] += teacher_forced_acceptance(logits_to_probs(tl, params), q) * len(resp)
         n += len(resp)
     return {t: (s / n if n else None) for t, s in sums.items()}
 
@@ -413,6 +428,7 @@ def run(cfg: DictConfig) -> dict:
     cands = _candidates(cfg, tok)
     sets = load_eval_sets(cfg, tok, target)
     eos, pad, vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
+    draft_vocab = run_draft_vocab(cfg, vocab)  # None: the drafts' whole vocabulary
     temps, grid = list(e.temperatures), [(bs, t) for bs in e.batch_sizes for t in e.temperatures]
     rows: list[dict] = []
     models: dict[str, Any] = {}  # candidate name -> loaded draft (None: prompt lookup)
@@ -445,7 +461,7 @@ def run(cfg: DictConfig) -> dict:
 
     def spec_decode(c: dict, gamma: int, temp: float):
         model = models[c["name"]]
-        drafter = ModelDrafter(model) if model is not None else PromptLookupDrafter()
+        drafter = ModelDrafter(model, vocab=draft_vocab) if model is not None else PromptLookupDrafter()
         dec = SpeculativeDecoder(target, drafter, gamma=gamma, gamma_policy=e.gamma_policy,
                                  eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
         return lambda batch, seed: dec.generate(batch, max_new_tokens=e.max_new_tokens, temperature=temp,
@@ -480,7 +496,8 @@ def run(cfg: DictConfig) -> dict:
                     row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
                 set_rows.append(row)
                 bar.update(1)
-        tf = {(c["name"], t): teacher_forced(target, models[c["name"]], es, reference[t], [t], e.top_p, c["vocab"])[t]
+        tf = {(c["name"], t): teacher_forced(target, models[c["name"]], es, reference[t], [t], e.top_p, c["vocab"],
+                                                draft_vocab)[t]
               for c in ok if models.get(c["name"]) is not None for t in temps}
         for row in set_rows:
             row["teacher_forced_acceptance"] = tf.get((row["name"], row["temperature"]))
@@ -506,7 +523,8 @@ def run(cfg: DictConfig) -> dict:
 def build_report(cfg: DictConfig, rows: list[dict], sets: list[EvalSet], target) -> dict:
     e = cfg.evaluate
     param = next(target.parameters())
-    settings = {**OmegaConf.to_container(e, resolve=True), "device": str(param.device),
+    settings = {**OmegaConf.to_container(e, resolve=True), "draft_vocab": int(cfg.model.draft_vocab or 0),
+                "device": str(param.device),
                 "dtype": str(param.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "eval_sets": {s.name: {"prompts": len(s.prompts), "skipped_overlong": s.skipped,

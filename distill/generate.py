@@ -97,6 +97,7 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
     g, m = cfg.generate, cfg.model
     data = OmegaConf.to_container(cfg.data, resolve=True)
     data.pop("limit", None)  # a larger limit extends the same set
+    data.pop("self_instruct", None)  # so does a larger self-instruct count
     return {
         "model": {"target": m.target, "revision": m.revision,
                   "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")},
@@ -119,10 +120,12 @@ def rank_of(prompt_id: str, num_processes: int) -> int:
     return int.from_bytes(hashlib.sha1(prompt_id.encode()).digest()[:8], "little") % num_processes
 
 
-def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, world: int = 1) -> tuple[list[Item], dict]:
-    """This rank's records, longest prompt first; and {prompts (in the whole set), skipped (ids), truncated}."""
+def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, world: int = 1,
+                extra: Optional[list[dict]] = None) -> tuple[list[Item], dict]:
+    """This rank's records, longest prompt first; and {prompts (in the whole set), skipped (ids), truncated}.
+    extra: more prompt rows (self-instruct) after data's own."""
     g = cfg.generate
-    prompts = load_prompts(cfg.data)  # ConfigError for an unknown source or an empty set
+    prompts = list(load_prompts(cfg.data)) + list(extra or [])  # ConfigError for an unknown source or an empty set
     limit = prompt_token_limit(g.max_prompt_tokens, model_config, g.max_new_tokens)
     items: list[Item] = []
     skipped: list[str] = []
@@ -366,6 +369,69 @@ def _totals(files: list[Path]) -> dict:
             "finish_reasons": reasons, "ids": sorted(ids)}
 
 
+# ---------------------------------------------------------------- self-instruct prompts
+
+SELF_INSTRUCT_FILE = "self_instruct.jsonl"
+# How the target writes its own prompts: sampled (diverse but mostly coherent at 0.8 / 0.95), short.
+SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "max_new_tokens": 96, "num_samples": 1,
+                          "store_topk": 0}
+_MARKER = "\u2063SELF-INSTRUCT\u2063"
+
+
+def user_turn_prefix(tok: Any, system_prompt: Optional[str] = None) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError("data.self_instruct needs a tokenizer with a chat template (the target writes a user turn)")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": _MARKER}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    if _MARKER not in text:
+        raise ConfigError("data.self_instruct: the chat template does not show the user's text verbatim")
+    return tok(text[: text.index(_MARKER)], add_special_tokens=False)["input_ids"]
+
+
+def keep_self_instruct(samples: list[dict], n: int) -> list[dict]:
+    """The usable prompts among the first n samples: ended by the model (not cut by the length
+    limit), not empty, not a repeat of an earlier one."""
+    seen, keep = set(), []
+    for r in sorted(samples, key=lambda r: r["id"])[:n]:
+        text = r["text"].strip()
+        if r["finish_reason"] == "eos" and text and text.lower() not in seen:
+            seen.add(text.lower())
+            keep.append({**r, "text": text})
+    return keep
+
+
+def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list[dict]:
+    """data.self_instruct prompt rows, sampled once by the main process into out/self_instruct.jsonl
+    (a larger count samples only the new ones); every process reads the same file."""
+    n = int(cfg.data.self_instruct or 0)
+    if n == 0:
+        return []
+    path = out / SELF_INSTRUCT_FILE
+    if state.is_main_process:
+        have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if len(have) < n:
+            prefix = user_turn_prefix(tok, cfg.data.system_prompt)
+            ids = [f"self_instruct-{i:05d}" for i in range(len(have), n)]
+            items = [Item(i, "self_instruct", "", "", prefix, row_seed(cfg.seed, i)) for i in ids]
+            model, _ = load_target(cfg.model)
+            backend = HFBackend(OmegaConf.merge(cfg, {"generate": SELF_INSTRUCT_SAMPLING}), model, tok)
+            for item, o in tqdm(backend.stream(items), total=len(items), desc="self-instruct prompts", unit="prompt"):
+                have.append({"id": item.id, "text": tok.decode(o.response_ids, skip_special_tokens=True),
+                             "finish_reason": o.finish_reason})
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(have, key=lambda r: r["id"])))
+            os.replace(tmp, path)
+    state.wait_for_everyone()
+    samples = [json.loads(line) for line in path.read_text().splitlines()]
+    kept = keep_self_instruct(samples, n)
+    log.info("self-instruct: %d of %d sampled prompts kept (ended, non-empty, distinct)", len(kept), n)
+    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    return [{"id": r["id"], "source": "self_instruct", "category": "",
+             "messages": system + [{"role": "user", "content": r["text"]}]} for r in kept]
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -390,7 +456,7 @@ def run(cfg: DictConfig) -> dict:
     if manifest_path.exists():
         man = read_json(manifest_path)
         if (man.get("complete") and man.get("identity") == ident and man.get("data_limit") == cfg.data.limit
-                and all((out / s).exists() for s in man.get("shards", []))):
+                and man.get("data_self_instruct", 0) == cfg.data.self_instruct and all((out / s).exists() for s in man.get("shards", []))):
             return man["summary"]
 
     # Data made with other settings: refuse, or clear it with overwrite=true.
@@ -415,7 +481,7 @@ def run(cfg: DictConfig) -> dict:
     model_config = AutoConfig.from_pretrained(  # the context length, without loading weights
         resolve_model_path(cfg.model.target, cfg.model.cache_dir), revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code)
-    items, counts = build_items(cfg, tok, model_config, rank, world)
+    items, counts = build_items(cfg, tok, model_config, rank, world, self_instruct_rows(cfg, out, tok, state))
     done = _done_ids(shard_paths(out))
     todo = [it for it in items if it.id not in done]
     expected = [it.id for it in items]
@@ -480,6 +546,7 @@ def _write_manifest(cfg: DictConfig, out: Path, ident: dict, n_prompts: int, per
     atomic_write_json(out / "manifest.json", {
         "model": cfg.model.target, "tokenizer_fingerprint": ident["tokenizer_fingerprint"],
         "sampling": ident["sampling"], "complete": not missing, "identity": ident, "data_limit": cfg.data.limit,
+        "data_self_instruct": cfg.data.self_instruct,
         "num_processes": world, "backend": cfg.generate.backend, "summary": summary,
         "shards": [f.name for f in files], "skipped_ids": skipped, "missing_ids": sorted(missing), "ids_done": tot["ids"],
     })

@@ -278,3 +278,21 @@ def shared_vocab_size(tok, *models: PreTrainedModel) -> int:
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Drop logits of padded embedding rows: [..., V_model] -> [..., vocab_size]."""
     return logits[..., :vocab_size]
+
+
+def run_draft_vocab(cfg: Any, vocab_size: int) -> Optional[torch.Tensor]:
+    """The run's draft vocabulary: the model.draft_vocab token ids its generated answers use most
+    (sorted [N] long), or None when model.draft_vocab is 0. Deterministic in the records."""
+    n = int(cfg.model.draft_vocab or 0)
+    if n == 0:
+        return None
+    from distill.config import run_dir
+    from distill.generate import load_generated
+    from specdec.drafters import frequent_tokens
+
+    try:
+        answers = load_generated(run_dir(cfg))["response_ids"]
+    except ConfigError as err:
+        raise ConfigError(f"model.draft_vocab={n} ranks tokens by this run's generated answers: {err} "
+                          "(or set model.draft_vocab=0 for the whole vocabulary)") from None
+    return frequent_tokens(answers, min(n, vocab_size), vocab_size)

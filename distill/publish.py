@@ -33,7 +33,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distill.config import ConfigError, run_dir
+from distill.models import run_draft_vocab
 from distill.utils import atomic_write_json, cli, read_json, start_stage
+from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +291,11 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
                 f'                                 return_tensors="pt", return_dict=True)\n'
                 f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)\n"
                 f"print(tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n")
+    if cfg.model.draft_vocab:
+        body.append(f"This project's decoder reads `{DRAFT_VOCAB_FILE}` (the {cfg.model.draft_vocab} tokens the "
+                    f"target's answers use most) and applies the draft's LM head to those rows only, as in the "
+                    f"evaluation above; output stays exactly the target's:\n\n```bash\n"
+                    f"python -m specdec --target {target_id} --draft {repo} --prompt \"Hello!\" --gamma {gamma}\n```\n")
     body.append(f"vLLM:\n\n```python\nfrom vllm import LLM\n"
                 f'llm = LLM(model="{target_id}", speculative_config={{"model": "{repo}", "num_speculative_tokens": {gamma}}})\n```\n\n'
                 f"```bash\nvllm serve {target_id} --speculative-config '{{\"model\": \"{repo}\", \"num_speculative_tokens\": {gamma}}}'\n```\n")
@@ -373,6 +380,9 @@ def stage(cfg: DictConfig, src: DraftSource, card, tmp: Path) -> None:
         gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
         gen.pad_token_id = target_tok.pad_token_id
         gen.save_pretrained(tmp)
+    ids = run_draft_vocab(cfg, len(target_tok))
+    if ids is not None:  # the vocabulary the evaluation decoded with, for specdec users of the draft
+        save_draft_vocab(tmp, ids, source=f"the {len(ids)} tokens the target's generated answers use most")
     card.save(tmp / "README.md")
 
 

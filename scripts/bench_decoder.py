@@ -4,10 +4,13 @@
     python scripts/bench_decoder.py --prompts 20 --max-new-tokens 128 --repeats 3 --device cuda
     python scripts/bench_decoder.py --target runs/r/target --draft runs/r/distill/best --gamma 4
     python scripts/bench_decoder.py --draft-layers 0,1,28,29 --temperatures 0 --batch 0 --json out.json
+    python scripts/bench_decoder.py --draft runs/default/distill/best --draft-vocab 8192,16384 --vocab-from runs/default
 
 Rows (batch 1 unless said): the target alone (specdec's KV-cached loop, the speedup baseline), the
 target alone through Hugging Face generate(), this decoder with the draft, Hugging Face assisted
-generation with the same draft and the same constant γ, this decoder with prompt lookup, Hugging
+generation with the same draft and the same constant γ, this decoder with the draft's LM head cut
+to a draft vocabulary (--draft-vocab: the N tokens the target's generated answers use most, from
+--vocab-from; or the draft dir's draft_vocab.json), this decoder with prompt lookup, Hugging
 Face prompt lookup (prompt_lookup_num_tokens=γ, max_matching_ngram_size=3), and a batch-N row
 (speculative throughput ÷ target-alone throughput, both at batch N).
 
@@ -34,6 +37,7 @@ from distill.config import DataConfig, ModelConfig  # noqa: E402
 from distill.data import encode_prompt, load_prompts  # noqa: E402
 from distill.evaluate import merge_metrics  # noqa: E402
 from distill.models import draft_from_target, load_model, load_target, shared_vocab_size  # noqa: E402
+from specdec.drafters import frequent_tokens, load_draft_vocab  # noqa: E402
 from specdec import (  # noqa: E402
     ModelDrafter,
     PromptLookupDrafter,
@@ -48,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft", default=None, help="draft dir / hub id (default: --draft-layers of the target)")
     ap.add_argument("--draft-layers", default="0,29", help="target layers kept in the default draft")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--draft-vocab", default="", help="comma-separated sizes N: also run specdec with the draft's "
+                    "head cut to N tokens ('file': the draft dir's draft_vocab.json)")
+    ap.add_argument("--vocab-from", default=None, help="run dir whose generated answers rank the tokens")
     ap.add_argument("--prompts", type=int, default=6, help="half MT-Bench, half HumanEval")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
@@ -73,6 +80,26 @@ def load(args):
         draft = draft_from_target(target, layers)
         name = f"target layers {layers}"
     return target, draft, tok, name
+
+
+def draft_vocabs(args, vocab: int) -> dict[str, torch.Tensor]:
+    """Row name -> draft vocabulary ids, for each size in --draft-vocab."""
+    out = {}
+    answers = None
+    for size in filter(None, args.draft_vocab.split(",")):
+        if size == "file":
+            ids = load_draft_vocab(args.draft) if args.draft else None
+            if ids is None:
+                sys.exit(f"--draft-vocab file: {args.draft} holds no draft_vocab.json")
+        else:
+            if answers is None:
+                if not args.vocab_from:
+                    sys.exit("--draft-vocab N needs --vocab-from RUN_DIR (its generated answers rank the tokens)")
+                from distill.generate import load_generated
+                answers = load_generated(args.vocab_from)["response_ids"]
+            ids = frequent_tokens(answers, int(size), vocab)
+        out[f"specdec vocab {len(ids)}"] = ids
+    return out
 
 
 def bench_prompts(tok, n: int) -> list[list[int]]:
@@ -144,6 +171,9 @@ def main(argv=None) -> None:
     draft.generation_config.num_assistant_tokens = g
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0  # constant γ: never cut a block short
+    subset = {name: SpeculativeDecoder(target, ModelDrafter(draft, vocab=ids), gamma=g, eos_token_id=eos,
+                                       pad_token_id=pad, vocab_size=vocab)
+              for name, ids in draft_vocabs(args, vocab).items()}
     counter = CallCounter(target)
     print(f"target {args.target} | draft {draft_name} | γ={g} | {len(prompts)} prompts × {args.max_new_tokens} "
           f"tokens | {device} {target.dtype} | threads {torch.get_num_threads()} | repeats {args.repeats}")
@@ -169,6 +199,8 @@ def main(argv=None) -> None:
             "specdec": lambda p: (lambda r: (r.tokens[0], r.metrics))(spec.generate([p], **kw)),
             "prompt lookup": lambda p: (lambda r: (r.tokens[0], r.metrics))(lookup.generate([p], **kw)),
         }
+        for name, dec in subset.items():
+            methods[name] = lambda p, dec=dec: (lambda r: (r.tokens[0], r.metrics))(dec.generate([p], **kw))
         if not args.no_hf:
             methods["HF generate (target alone)"] = lambda p: hf(p)
             methods["HF assisted"] = lambda p: hf(p, assistant_model=draft)
@@ -200,7 +232,8 @@ def main(argv=None) -> None:
             rows.append(row)
         if "HF assisted" in res:
             tps = {r["method"]: r["tokens_per_s"] for r in rows if r["temperature"] == temp}
-            print(f"T={temp:g}: tokens/s ratios: specdec ÷ HF assisted = {tps['specdec'] / tps['HF assisted']:.2f}, "
+            sub = "".join(f", {n} ÷ HF assisted = {tps[n] / tps['HF assisted']:.2f}" for n in subset)
+            print(f"T={temp:g}: tokens/s ratios: specdec ÷ HF assisted = {tps['specdec'] / tps['HF assisted']:.2f}{sub}, "
                   f"prompt lookup ÷ HF prompt lookup = {tps['prompt lookup'] / tps['HF prompt lookup']:.2f}",
                   flush=True)
 
@@ -208,10 +241,11 @@ def main(argv=None) -> None:
         bp = [prompts[i % len(prompts)] for i in range(args.batch)]
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, seed=args.seed)
         batch_methods = {
-            "target alone": lambda ps: (autoregressive_generate(target, ps, eos_token_id=eos, pad_token_id=pad,
-                                                                vocab_size=vocab, **kw),),
-            "specdec": lambda ps: (spec.generate(ps, **kw),),
+            "target alone": lambda ps: autoregressive_generate(target, ps, eos_token_id=eos, pad_token_id=pad,
+                                                               vocab_size=vocab, **kw),
         }
+        for name, dec in {"specdec": spec, **subset}.items():
+            batch_methods[name] = lambda ps, dec=dec: dec.generate(ps, **kw)
         walls = {n: [] for n in batch_methods}
         outs = {}
         for fn in batch_methods.values():
@@ -220,19 +254,20 @@ def main(argv=None) -> None:
             for name, fn in batch_methods.items():
                 _sync(device)
                 t0 = time.perf_counter()
-                (outs[name],) = fn(bp)
+                outs[name] = fn(bp)
                 _sync(device)
                 walls[name].append(time.perf_counter() - t0)
         tput = {n: outs[n].metrics.emitted / statistics.median(w) for n, w in walls.items()}
-        m = outs["specdec"].metrics
-        m.baseline_target_step_s = outs["target alone"].metrics.target_step_s
-        rows.append({"method": f"specdec batch {args.batch}", "temperature": 0.0, "batch_size": args.batch, "gamma": g,
-                     "tokens_per_s": tput["specdec"], "speedup": tput["specdec"] / tput["target alone"],
-                     "acceptance_rate": m.acceptance_rate, "tokens_per_target_call": m.tokens_per_target_call,
-                     "cost_ratio": m.cost_ratio, "predicted_speedup": m.predicted_speedup,
-                     "greedy_identical": outs["specdec"].tokens == outs["target alone"].tokens,
-                     "target_alone_tokens_per_s": tput["target alone"],
-                     "verify_cost": m.target_time_s / m.target_calls / m.baseline_target_step_s})
+        for name in list(batch_methods)[1:]:
+            m = outs[name].metrics
+            m.baseline_target_step_s = outs["target alone"].metrics.target_step_s
+            rows.append({"method": f"{name} batch {args.batch}", "temperature": 0.0, "batch_size": args.batch,
+                         "gamma": g, "tokens_per_s": tput[name], "speedup": tput[name] / tput["target alone"],
+                         "acceptance_rate": m.acceptance_rate, "tokens_per_target_call": m.tokens_per_target_call,
+                         "cost_ratio": m.cost_ratio, "predicted_speedup": m.predicted_speedup,
+                         "greedy_identical": outs[name].tokens == outs["target alone"].tokens,
+                         "target_alone_tokens_per_s": tput["target alone"],
+                         "verify_cost": m.target_time_s / m.target_calls / m.baseline_target_step_s})
 
     # verify÷step: one verify call (γ+1 tokens) ÷ one target-alone step; predicted_speedup assumes 1
     cols = ["method", "T", "batch", "tokens/s", "α", "τ", "c", "speedup", "predicted_speedup", "greedy_identical",

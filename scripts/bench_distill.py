@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_distill.py --minutes 20           # the goal run (defaults)
     .venv/bin/python scripts/bench_distill.py --minutes 3 --name l4 model.draft_layers=[0,1,28,29] train.lr=1e-3
     .venv/bin/python scripts/bench_distill.py --init-only --shapes "[[0,29],[0,1,28,29],[0,1,2,3,4,5]]"
+    .venv/bin/python scripts/bench_distill.py --data runs/default --minutes 10   # train on a run's records
+    .venv/bin/python scripts/bench_distill.py --measure runs/default/distill/best   # α_TF of a trained draft
 
 Generates (once, resumable, under --root) the target's answers: --train-records stdlib prompts with
 top-64 logits (the training set) and --eval-records HumanEval and MT-Bench prompts (held out, never
@@ -108,6 +110,8 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="run name of the training run (default: from the overrides)")
     ap.add_argument("--init-only", action="store_true", help="only measure initial α_TF and c of --shapes")
     ap.add_argument("--no-generate", action="store_true", help="train on the records already generated (no top-up)")
+    ap.add_argument("--measure", default=None, help="only measure α_TF of this draft dir on the held-out sets")
+    ap.add_argument("--data", default=None, help="train on this run's generated records (with top-k logits) instead")
     ap.add_argument("--skip-before", action="store_true", help="do not measure the initial draft (saves minutes)")
     ap.add_argument("--shapes", default="[[0,29],[0,1,28,29],[0,10,20,29]]", help="draft_layers lists for --init-only")
     ap.add_argument("overrides", nargs="*", help="distill config overrides, e.g. train.lr=1e-3 loss=tvd")
@@ -119,6 +123,11 @@ def main() -> None:
     refs = references(args.root, target, tok, vocab, args.eval_records)
     t_target = decode_step_s(target)
 
+    if args.measure:
+        a = alphas(load_model(args.measure, device=str(target.device)), refs, vocab)
+        print(f"{args.measure}: α_TF humaneval {a['humaneval']:.3f}, mt_bench {a['mt_bench']:.3f}")
+        return
+
     if args.init_only:
         print(f"{'draft_layers':<28} {'α_TF humaneval':>15} {'α_TF mt_bench':>14} {'c (decode)':>11}")
         for shape in ast.literal_eval(args.shapes):
@@ -127,8 +136,8 @@ def main() -> None:
             print(f"{str(shape):<28} {a['humaneval']:>15.3f} {a['mt_bench']:>14.3f} {decode_step_s(d) / t_target:>11.3f}", flush=True)
         return
 
-    data = os.path.join(args.root, "bench-data")
-    if not args.no_generate:
+    data = args.data or os.path.join(args.root, "bench-data")
+    if not args.no_generate and not args.data:
         ensure_generated(args.root, "bench-data", ["data=stdlib", f"data.limit={args.train_records}", "generate.store_topk=64"])
     name = args.name or "train-" + "-".join(o.replace("=", "").replace("/", "") for o in args.overrides)[:80] or "train-default"
     run_path = Path(args.root) / name
@@ -147,7 +156,7 @@ def main() -> None:
     best = load_model(str(run_path / "distill" / "best"), device=str(target.device))
     after = alphas(best, refs, vocab)
     row = {
-        "name": name, "overrides": args.overrides, "draft_layers": list(cfg.model.draft_layers),
+        "name": name, "data": data, "overrides": args.overrides, "draft_layers": list(cfg.model.draft_layers),
         "steps": summary["step"], "train_s": summary.get("elapsed_s"), "wall_s": round(wall, 1),
         "tokens_per_s": summary["tokens_per_s"], "train_tokens": summary["train_tokens"],
         "holdout_alpha_init": summary["init_teacher_forced_acceptance"],

@@ -8,19 +8,22 @@
 stdout: the generated text, a line "--- metrics", then the metrics as JSON.
 
 Model arguments take a local directory or a hub id (from_pretrained). The target's chat template,
-if it has one, wraps the prompt (--raw to send the text as is).
+if it has one, wraps the prompt (--raw to send the text as is). A draft that ships a draft_vocab.json
+(a published distilled draft does) decodes with its LM head cut to those tokens (--draft-vocab none:
+the whole vocabulary; --draft-vocab FILE: another list).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from .decoder import SpeculativeDecoder, autoregressive_generate
-from .drafters import ModelDrafter, PromptLookupDrafter
+from .drafters import DRAFT_VOCAB_FILE, ModelDrafter, PromptLookupDrafter, load_draft_vocab
 from .kv import logits_width
 
 
@@ -30,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--draft", help="draft model (same tokenizer as the target): local dir or hub id")
     src.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in the context, no model")
+    ap.add_argument("--draft-vocab", default="auto",
+                    help="auto (the draft's draft_vocab.json if it has one) | none | path to a draft_vocab.json")
     ap.add_argument("--prompt", required=True, help="the user message")
     ap.add_argument("--raw", action="store_true", help="do not apply the chat template")
     ap.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
@@ -55,6 +60,25 @@ def _load(name: str, device: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(name, **{key: dtype}).to(device).eval()
 
 
+def _draft_vocab(draft: str, choice: str):
+    """Token ids for the draft's LM head: from a file, the draft's own draft_vocab.json, or None."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        ids = load_draft_vocab(choice)
+        if ids is None:
+            raise ValueError(f"--draft-vocab {choice}: no such file (give a {DRAFT_VOCAB_FILE}, auto or none)")
+        return ids
+    if Path(draft).is_dir():
+        return load_draft_vocab(draft)
+    try:  # a hub draft: its draft_vocab.json, if it ships one
+        from huggingface_hub import hf_hub_download
+
+        return load_draft_vocab(hf_hub_download(draft, DRAFT_VOCAB_FILE))
+    except Exception:  # no such file (or offline): the whole vocabulary
+        return None
+
+
 def _same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
 
@@ -67,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
     tok = AutoTokenizer.from_pretrained(args.target)
     target = _load(args.target, args.device, dtype)
-    vocab_size = None
+    vocab_size, draft_ids = None, None
     if args.prompt_lookup:
         drafter = PromptLookupDrafter(max_ngram=args.max_ngram)
     else:
@@ -76,7 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "the same tokenizer (pick a draft from the same model family)", file=sys.stderr)
             return 2
         draft = _load(args.draft, args.device, dtype)
-        drafter = ModelDrafter(draft)
+        try:
+            draft_ids = _draft_vocab(args.draft, args.draft_vocab)
+            drafter = ModelDrafter(draft, vocab=draft_ids)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         if logits_width(draft) != logits_width(target):
             vocab_size = len(tok)  # padded embedding rows differ; compare real tokens only
     if tok.chat_template and not args.raw:
@@ -106,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["baseline_tokens_per_s"] = base.metrics.tokens_per_s
         if args.temperature == 0:
             report["greedy_identical"] = base.tokens == out.tokens
+    report["draft_vocab"] = None if draft_ids is None else len(draft_ids)
     print("--- metrics")
     print(json.dumps(report, indent=2))
     return 0

@@ -15,13 +15,68 @@ One small interface (``Drafter``), driven by the decoder once per round:
 
 ``draft_probs`` is None for a deterministic proposal (argmax, or a lookup): the acceptance test
 then uses the one-hot q, which keeps sampling lossless.
+
+A draft vocabulary (``ModelDrafter(draft, vocab=ids)``) restricts the draft's LM head to the given
+token ids, e.g. the few thousand a model's answers mostly use (``frequent_tokens``). A small
+draft's full-vocabulary head costs as much as several of its layers; with a subset each draft step
+reads a fraction of those weights. Decoding stays lossless: q is the draft's softmax over the
+subset (zero elsewhere), and the target's test and residual are taken over the whole vocabulary. A
+target token outside the subset is simply never proposed (that round rejects there).
 """
 from __future__ import annotations
 
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
 import torch
+import torch.nn.functional as F
 
 from .kv import KVModel, logits_width
 from .sampling import SamplingParams, logits_to_probs, sample
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # {"ids": [...], "source": "..."} beside a draft's weights
+
+
+def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` ids (< vocab_size) that occur most often in ``sequences`` -> sorted [size] long.
+
+    Ties, and the remainder when fewer distinct ids occur, go to the lowest ids: in a BPE vocabulary
+    those are the byte tokens and the earliest (most frequent) merges.
+    """
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}] (got {size})")
+    counts = Counter(int(t) for seq in sequences for t in seq if 0 <= int(t) < vocab_size)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    chosen = set(ranked)
+    fill = (t for t in range(vocab_size) if t not in chosen)
+    ranked += [next(fill) for _ in range(size - len(ranked))]
+    return torch.tensor(sorted(ranked), dtype=torch.long)
+
+
+def save_draft_vocab(model_dir: str | Path, ids: torch.Tensor | Sequence[int], source: str) -> Path:
+    """Write DRAFT_VOCAB_FILE into a draft's directory (temp file, then rename)."""
+    path = Path(model_dir) / DRAFT_VOCAB_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"ids": [int(t) for t in ids], "source": source}))
+    os.replace(tmp, path)
+    return path
+
+
+def load_draft_vocab(path: str | Path) -> torch.Tensor | None:
+    """The draft vocabulary in a draft's directory (its DRAFT_VOCAB_FILE) or in a file; None if absent."""
+    path = Path(path)
+    path = path / DRAFT_VOCAB_FILE if path.is_dir() else path
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["ids"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a draft vocabulary ({err}); delete it or rewrite it with "
+                         "specdec.drafters.save_draft_vocab") from None
+    return torch.tensor(ids, dtype=torch.long)
 
 
 class Drafter:
@@ -52,12 +107,21 @@ class ModelDrafter(Drafter):
 
     sample: under sampling, draw proposals from q (True, the standard algorithm) or propose the
     draft's argmax (False; lossless too, with a one-hot q). Under greedy decoding it is always argmax.
+    vocab: token ids the draft may propose (its LM head is applied to these rows only; see the module
+    docstring); None = the whole vocabulary. Needs a model whose logits are head(last hidden state).
     """
 
-    def __init__(self, model: torch.nn.Module, sample: bool = True):
+    def __init__(self, model: torch.nn.Module, sample: bool = True,
+                 vocab: torch.Tensor | Sequence[int] | None = None):
         self.model = model
         self.vocab_width = logits_width(model)
         self.samples = sample
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten().unique()
+        if self.vocab is not None and (self.vocab.numel() == 0 or int(self.vocab.min()) < 0
+                                       or int(self.vocab.max()) >= self.vocab_width):
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.vocab_width}) and not empty")
+        self._head: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight [V', H], bias) of the subset
+        self._vocab_size = self.vocab_width
         self.kv: KVModel | None = None
         self._carry = self._carry_valid = None  # [B]: last proposal, unseen by the draft's cache
         self._carry_host: list[bool] = []
@@ -66,12 +130,35 @@ class ModelDrafter(Drafter):
 
     def begin(self, context_ids: torch.Tensor, context_mask: torch.Tensor, vocab_size: int) -> None:
         self.kv = KVModel(self.model, vocab_size)
+        self._vocab_size = vocab_size
+        if self.vocab is not None:
+            if int(self.vocab[-1]) >= vocab_size:
+                raise ValueError(f"the draft vocabulary holds ids >= vocab_size={vocab_size}; build it from the "
+                                 "target's tokenizer (ids below len(tokenizer))")
+            if self._head is None:
+                self._head = self._subset_head()
         self.kv.prefill(context_ids.to(self.kv.device), context_mask.to(self.kv.device))
         B = context_ids.shape[0]
         self._carry = torch.zeros(B, dtype=torch.long, device=self.kv.device)
         self._carry_valid = torch.zeros(B, dtype=torch.bool, device=self.kv.device)
         self._carry_host = [False] * B
         self._k = 0
+
+    def _subset_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.kv.lazy_head_ok:
+            raise ValueError("a draft vocabulary needs a draft whose logits are its LM head applied to the last "
+                             "hidden state (no logit scaling or soft-capping); drop the vocabulary for this model")
+        head = self.model.get_output_embeddings()
+        ids = self.vocab.to(self.kv.device)
+        bias = None if getattr(head, "bias", None) is None else head.bias.detach()[ids]
+        return head.weight.detach()[ids].contiguous(), bias
+
+    def _next_logits(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed tokens [B, q]; logits [B, V] (or [B, V'] over the draft vocabulary) after the last one."""
+        if self._head is None:
+            return self.kv.step(tokens, valid, keep=1)[:, 0]
+        hidden = self.kv.step_hidden(tokens, valid)[:, -1]  # [B, H]
+        return F.linear(hidden, *self._head)  # [B, V']
 
     def propose(self, last_tokens, k, params, generator):
         assert k >= 1, "a round with no proposal is a plain target step; do not call propose"
@@ -82,20 +169,24 @@ class ModelDrafter(Drafter):
             tokens = torch.stack([self._carry, last_tokens], dim=1)  # [B, 2]
             both = torch.stack([self._carry_valid, torch.ones_like(self._carry_valid)], dim=1)  # [B, 2]
             valid = None if all(self._carry_host) else both
-            logits = kv.step(tokens, valid, keep=1)  # [B, 1, V]
+            logits = self._next_logits(tokens, valid)  # [B, V]
         else:
-            logits = kv.step(last_tokens[:, None], keep=1)  # [B, 1, V]
+            logits = self._next_logits(last_tokens[:, None])  # [B, V]
+        ids = None if self._head is None else self.vocab.to(kv.device)  # subset column -> token id
         use_q = self.samples and not params.greedy
         tokens, probs = [], []
         for i in range(k):
             if i > 0:
-                logits = kv.step(tokens[-1][:, None], keep=1)  # the last proposal is never fed
+                logits = self._next_logits(tokens[-1][:, None])  # the last proposal is never fed
             if use_q:
-                q = logits_to_probs(logits[:, 0], params).to(out_device)  # [B, V]
+                q = logits_to_probs(logits, params).to(out_device)  # [B, V] or [B, V']
+                pick = sample(q, generator).to(kv.device)  # the generator lives with the target
+                if ids is not None:  # q over the whole vocabulary: zero outside the subset
+                    q = q.new_zeros(q.shape[0], self._vocab_size).index_copy_(1, ids.to(out_device), q)
                 probs.append(q)
-                tokens.append(sample(q, generator).to(kv.device))  # the generator lives with the target
             else:
-                tokens.append(logits[:, 0].argmax(-1))
+                pick = logits.argmax(-1)
+            tokens.append(pick if ids is None else ids[pick])
         self._k = k
         self._proposal = torch.stack(tokens, dim=1)  # [B, k]
         return self._proposal.to(out_device), (torch.stack(probs, dim=1) if use_q else None)  # [B, k], [B, k, V]

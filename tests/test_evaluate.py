@@ -262,3 +262,31 @@ def test_rerun_is_skipped_until_a_draft_or_setting_changes(run_root):
     # a rewritten best checkpoint measures again
     save_draft(run_root / "runs" / "r" / "distill" / "best", 0.05)
     assert "skipped" not in evaluate.run(make_cfg(run_root, "evaluate.gammas=[2]"))
+
+
+def test_draft_vocabulary_from_the_runs_answers(run_root):
+    from conftest import write_generated
+
+    target = tiny_model(seed=0)
+    prompts = [[5, 17, 42], [9, 9, 30, 31]]
+    answers = target.generate(torch.tensor([prompts[0]]), max_new_tokens=30, do_sample=False)[0, 3:].tolist()
+    common = sorted(set(answers))[: len(set(answers)) // 2]  # half of the target's tokens: rejections follow
+    write_generated(run_root / "runs" / "r", [common * 3, [3, 4]])
+    cfg = make_cfg(run_root, f"model.draft_vocab={len(common) + 2}", "evaluate.temperatures=[0.0,1.0]")
+    evaluate.run(cfg)
+    report = read_report(run_root)
+    assert report["settings"]["draft_vocab"] == len(common) + 2
+    for row in rows_of(report, "best"):  # best == target: only the vocabulary cut makes it miss
+        assert row["acceptance_rate"] < 0.95 and row["teacher_forced_acceptance"] < 0.95
+        assert abs(row["acceptance_rate"] - row["teacher_forced_acceptance"]) < 0.25
+        if row["temperature"] == 0:
+            assert row["greedy_identical"] is True
+    full = make_cfg(run_root, "evaluate.temperatures=[0.0,1.0]")
+    (run_root / "runs" / "r" / "evaluate" / "report.json").unlink()
+    evaluate.run(full)
+    assert all(r["acceptance_rate"] == 1.0 for r in rows_of(read_report(run_root), "best"))
+
+
+def test_draft_vocabulary_needs_generated_answers(run_root):
+    with pytest.raises(ConfigError, match="model.draft_vocab=0"):
+        evaluate.run(make_cfg(run_root, "model.draft_vocab=50"))

@@ -280,3 +280,48 @@ def test_cli_exit_code_2(tmp_path, prompts_file):
     cmd = [sys.executable, "-m", "distill.generate", *overrides(tmp_path, prompts_file, "generate.top_p=1.5")]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "error:" in res.stderr and "generate.top_p" in res.stderr
+
+
+# ---------------------------------------------------------------- self-instruct prompts
+
+
+def test_keep_self_instruct_drops_cut_empty_and_repeated_prompts():
+    samples = [{"id": "self_instruct-00003", "text": "Tell me a joke.", "finish_reason": "eos"},
+               {"id": "self_instruct-00000", "text": " Tell me a joke. ", "finish_reason": "eos"},
+               {"id": "self_instruct-00001", "text": "cut off mid", "finish_reason": "length"},
+               {"id": "self_instruct-00002", "text": "  ", "finish_reason": "eos"},
+               {"id": "self_instruct-00004", "text": "Name a river.", "finish_reason": "eos"}]
+    kept = generate.keep_self_instruct(samples, 4)  # the first four by id; 00004 is beyond
+    assert [(r["id"], r["text"]) for r in kept] == [("self_instruct-00000", "Tell me a joke.")]
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_users_text():
+    tok = load_tokenizer("tiny")
+    prefix = tok.decode(generate.user_turn_prefix(tok))
+    assert prefix == "<|im_start|>user\n"
+    assert tok.decode(generate.user_turn_prefix(tok, "Be brief.")).endswith("Be brief.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_self_instruct_prompts_are_sampled_once_and_answered(tmp_path, prompts_file, monkeypatch):
+    # A random tiny model seldom ends a turn, so every non-empty sample counts as a prompt here.
+    monkeypatch.setattr(generate, "keep_self_instruct",
+                        lambda samples, n: [r for r in sorted(samples, key=lambda r: r["id"])[:n] if r["text"].strip()])
+    monkeypatch.setitem(generate.SELF_INSTRUCT_SAMPLING, "max_new_tokens", 10)
+    summary = run(make_cfg(tmp_path, prompts_file, "data.self_instruct=3"))
+    path = tmp_path / "t" / "generate" / generate.SELF_INSTRUCT_FILE
+    samples = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [s["id"] for s in samples] == [f"self_instruct-{i:05d}" for i in range(3)]
+    recs = {r["id"]: r for r in records(tmp_path / "t")}
+    for s in samples:
+        if s["text"].strip():
+            assert recs[s["id"]]["source"] == "self_instruct"
+            assert recs[s["id"]]["prompt"].startswith("<|im_start|>user\n" + s["text"].strip())
+    assert summary["prompts"] == len(PROMPTS) + sum(bool(s["text"].strip()) for s in samples)
+    # more self-instruct prompts sample only the new ones and answer only those
+    calls = []
+    real = generate.HFBackend.stream
+    monkeypatch.setattr(generate.HFBackend, "stream", lambda self, items: calls.append(len(items)) or real(self, items))
+    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5"))
+    assert calls[0] == 2  # two new samples; then only their answers (if kept)
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()][:3] == [s["id"] for s in samples]
+    assert run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5")) is not None and len(calls) <= 2

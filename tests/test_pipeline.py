@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from distill import pipeline
 from distill.config import ConfigError
+from distill.generate import load_generated
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -91,12 +92,17 @@ def test_pipeline_embedded_default_smoke(tmp_path):
     """The CI smoke run on the embedded SmolLM2 target (the README's path at smoke size)."""
     runs = tmp_path / "runs"
     # the cheapest draft (2 of 30 layers): this test checks the path, not the draft
-    proc = _cli("experiment=smoke", "model.draft_layers=[0,29]", f"runs_root={runs}", timeout=1800)
+    proc = _cli("experiment=smoke", "model.draft_layers=[0,29]", "data.self_instruct=4", "model.draft_vocab=2048",
+                f"runs_root={runs}", timeout=1800)
     rd = runs / "smoke"
     report = json.loads((rd / "evaluate" / "report.json").read_text())
     assert report["greedy_identical"] is True and report["target"] == "smollm2-135m-instruct"
+    assert report["settings"]["draft_vocab"] == 2048
     card = (rd / "publish" / "README.md").read_text()
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert len(json.loads((rd / "publish" / "draft_vocab.json").read_text())["ids"]) == 2048
+    sources = {r["source"] for r in load_generated(rd).to_list()}
+    assert sources == {"stdlib", "self_instruct"}, "SmolLM2 ends most of its own user turns: some are kept"
     for label in LABELS:
         assert label in proc.stdout
 

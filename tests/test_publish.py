@@ -304,3 +304,18 @@ def test_upload_needs_a_token(tmp_path, run, fake_hub, monkeypatch):
     with pytest.raises(ConfigError, match="hf auth login"):
         publish.run(_cfg(tmp_path, "publish.dry_run=false", "publish.repo_id=me/tiny-draft"))
     assert fake_hub.requests == []
+
+
+def test_draft_vocabulary_travels_with_the_draft(tmp_path, run):
+    from conftest import write_generated
+
+    from specdec.drafters import load_draft_vocab
+
+    write_generated(run, [[7, 7, 9, 40], [9, 41]])
+    out = publish.run(_cfg(tmp_path, "model.draft_vocab=6", "publish.repo_id=me/tiny-draft"))
+    folder = Path(out["folder"])
+    assert load_draft_vocab(folder).tolist() == [0, 1, 7, 9, 40, 41]  # by count, then the lowest ids
+    card = (folder / "README.md").read_text()
+    assert "draft_vocab.json" in card and "python -m specdec --target" in card
+    publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-draft"))  # model.draft_vocab=0: no file
+    assert load_draft_vocab(folder) is None

@@ -41,3 +41,21 @@ def test_cli_rejects_bad_gamma(model_dirs, capsys):
                "--device", "cpu"])
     assert rc == 2
     assert "gamma must be" in capsys.readouterr().err
+
+
+def test_cli_uses_the_drafts_vocabulary_file(model_dirs, tmp_path, capsys):
+    from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in (model_dirs / "draft").iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    save_draft_vocab(draft, range(3, 200), source="test")
+    base = ["--target", str(model_dirs / "target"), "--draft", str(draft), "--prompt", "hello there",
+            "--max-new-tokens", "12", "--gamma", "3", "--baseline", "--device", "cpu"]
+    for choice, size in (("auto", 197), ("none", None), (str(draft / DRAFT_VOCAB_FILE), 197)):
+        assert main([*base, "--draft-vocab", choice]) == 0
+        report = json.loads(capsys.readouterr().out.split("--- metrics\n")[1])
+        assert report["draft_vocab"] == size and report["greedy_identical"] is True
+    assert main([*base, "--draft-vocab", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err

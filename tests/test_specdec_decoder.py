@@ -19,6 +19,7 @@ from specdec import (
     autoregressive_generate,
     logits_to_probs,
 )
+from specdec.drafters import DRAFT_VOCAB_FILE, frequent_tokens, load_draft_vocab, save_draft_vocab
 
 EOS = 2  # tiny_config's eos_token_id
 
@@ -401,6 +402,7 @@ def test_small_rows_kernel_choice_is_timed_once_per_shape(monkeypatch):
 
     calls = []
     monkeypatch.setattr(kv, "_CHOICE", {})
+    monkeypatch.setattr(kv, "_PACKING", False)
     monkeypatch.setattr(kv, "_faster_transposed", lambda w, x: calls.append((tuple(w.shape), x.shape[0])) or True)
     lin = torch.nn.Linear(8, 16)
     with torch.inference_mode(), kv.small_rows_kernels():
@@ -408,3 +410,170 @@ def test_small_rows_kernel_choice_is_timed_once_per_shape(monkeypatch):
             lin(torch.randn(3, 8))
         lin(torch.randn(2, 3, 8))  # 6 rows: another shape
     assert calls == [((16, 8), 3), ((16, 8), 6)]
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL prepacked GEMM needs an MKL build")
+def test_packed_kernel_equals_linear_and_repacks_an_updated_weight():
+    from specdec import kv
+
+    lin = torch.nn.Linear(24, 40)
+    x = torch.randn(2, 3, 24)  # 6 rows: the packed path
+    with torch.inference_mode():
+        with kv.small_rows_kernels():
+            fast = lin(x)
+        torch.testing.assert_close(fast, lin(x), rtol=1e-5, atol=1e-5)
+        assert list(kv._PACKED[lin]) and all(k[0] == 6 for k in kv._PACKED[lin])
+        with torch.no_grad():
+            lin.weight.mul_(2.0)  # an in-place update (an optimizer step) invalidates the packed copy
+        with kv.small_rows_kernels():
+            fast = lin(x)
+        torch.testing.assert_close(fast, lin(x), rtol=1e-5, atol=1e-5)
+        assert len(kv._PACKED[lin]) == 1
+
+
+# -- draft vocabulary: the draft's LM head restricted to a token subset ----------------------------
+def _subset(target, prompts, size=120, drop=8):
+    """The `size` ids the target's greedy answers use most, minus `drop` of them it does emit: rounds
+    whose target token lies outside the subset must reject there."""
+    ref = _hf_greedy(target, prompts, 40, eos=None)
+    ids = frequent_tokens(ref, size, 259)
+    used = sorted({t for r in ref for t in r})
+    gone = set(used[:: max(1, len(used) // drop)][:drop])
+    return ids[~torch.isin(ids, torch.tensor(sorted(gone)))], gone
+
+
+class _RecordingDrafter(ModelDrafter):
+    def begin(self, context_ids, context_mask, vocab_size):
+        super().begin(context_ids, context_mask, vocab_size)
+        self.proposed, self.qs = set(), []
+
+    def propose(self, last_tokens, k, params, generator):
+        tokens, q = super().propose(last_tokens, k, params, generator)
+        self.proposed.update(tokens.flatten().tolist())
+        if q is not None:
+            self.qs.append(q)
+        return tokens, q
+
+
+def test_draft_vocab_greedy_equals_target_and_proposes_only_the_subset(target, draft):
+    prompts = _prompts([3, 9, 1, 6, 12, 2], seed=8)
+    ids, gone = _subset(target, prompts)
+    ref = _hf_greedy(target, prompts, 40, eos=None)
+    assert any(t in gone for r in ref for t in r), "the target must emit tokens outside the subset"
+    drafter = _RecordingDrafter(draft, vocab=ids)
+    res = SpeculativeDecoder(target, drafter, gamma=3, eos_token_id=[]).generate(prompts, max_new_tokens=40)
+    assert res.tokens == ref
+    assert drafter.proposed <= set(ids.tolist()) and drafter.proposed
+    assert 0.05 < res.metrics.acceptance_rate < 0.95
+
+
+def test_draft_vocab_of_every_token_proposes_what_the_full_head_does(target, draft):
+    prompts = _prompts([4, 7, 2], seed=9)
+    full = _RecordingDrafter(draft)
+    every = _RecordingDrafter(draft, vocab=torch.arange(259))
+    outs = [SpeculativeDecoder(target, d, gamma=3).generate(prompts, max_new_tokens=24, temperature=1.0, seed=3)
+            for d in (full, every)]
+    assert outs[0].tokens == outs[1].tokens
+    for q_full, q_every in zip(full.qs, every.qs):
+        torch.testing.assert_close(q_every, q_full, rtol=1e-5, atol=1e-6)
+
+
+def test_draft_vocab_q_is_the_subset_softmax_and_zero_elsewhere(target, draft):
+    prompt = [5, 17, 42]
+    ids, _ = _subset(target, [prompt])
+    drafter = _RecordingDrafter(draft, vocab=ids)
+    SpeculativeDecoder(target, drafter, gamma=1, eos_token_id=[]).generate([prompt], max_new_tokens=2,
+                                                                            temperature=0.7, seed=0)
+    q = drafter.qs[0][0, 0]  # [V]: the first proposal's distribution
+    with torch.inference_mode():
+        logits = draft(torch.tensor([prompt])).logits[0, -1]
+    expect = torch.zeros(259)
+    expect[ids] = torch.softmax(logits[ids] / 0.7, -1)
+    torch.testing.assert_close(q, expect, rtol=1e-4, atol=1e-6)
+
+
+def test_draft_vocab_sampling_distribution_matches_target(target, draft):
+    # As test_sampling_distribution_matches_target, with a subset that misses tokens the target
+    # samples often: the residual must put their mass back.
+    prompt, N = [5, 17, 42], 20_000
+    params = SamplingParams(temperature=1.0)
+    joint = _exact_first_two(target, prompt, params)  # [V, V]
+    out = torch.cat([torch.topk(joint.sum(1), 3).indices[1:], torch.topk(joint.sum(0), 3).indices[1:]])
+    ids = torch.tensor([t for t in range(259) if t not in out.tolist()])  # 2nd, 3rd likeliest 1st/2nd tokens: out
+    assert joint.sum(1)[out[:2]].sum() > 0.05
+    dec = SpeculativeDecoder(target, ModelDrafter(draft, vocab=ids), gamma=2, eos_token_id=[])
+    res = dec.generate([prompt] * N, max_new_tokens=3, temperature=1.0, seed=13)
+    assert 0.1 < res.metrics.acceptance_rate < 0.9
+    first_two = torch.tensor([r[:2] for r in res.tokens])
+    counts = torch.bincount(first_two[:, 0] * 259 + first_two[:, 1], minlength=259 * 259).double()
+    assert _g_test(counts, joint.reshape(-1)) > 1e-3
+
+
+class _ScaledLogits(torch.nn.Module):
+    """A causal LM whose logits are not head(hidden): what a draft vocabulary cannot serve."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.base_model = model, model.config, model.model
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kw):
+        out = self.inner(**kw)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_draft_vocab_bad_input(target, draft, tmp_path):
+    with pytest.raises(ValueError, match="draft vocabulary ids"):
+        ModelDrafter(draft, vocab=[5, 300])
+    with pytest.raises(ValueError, match="draft vocabulary ids"):
+        ModelDrafter(draft, vocab=[])
+    with pytest.raises(ValueError, match="vocab_size=200"):
+        SpeculativeDecoder(target, ModelDrafter(draft, vocab=[5, 250]), vocab_size=200).generate([[5, 6]])
+    with pytest.raises(ValueError, match="LM head applied to the last hidden state"):
+        SpeculativeDecoder(target, ModelDrafter(_ScaledLogits(draft), vocab=[5, 6])).generate([[5, 6]])
+    (tmp_path / DRAFT_VOCAB_FILE).write_text("[1, 2")
+    with pytest.raises(ValueError, match="not a draft vocabulary"):
+        load_draft_vocab(tmp_path)
+    with pytest.raises(ValueError, match="size must be"):
+        frequent_tokens([[1]], 0, 259)
+
+
+def test_frequent_tokens_ranks_by_count_then_fills_with_lowest_ids(tmp_path):
+    ids = frequent_tokens([[9, 9, 9, 7, 7, 300], [5, 7, 9]], 5, vocab_size=259)
+    # counts: 9 x4, 7 x3, 5 x1 (300 is outside the vocabulary); then the lowest unused ids 0, 1
+    assert ids.tolist() == [0, 1, 5, 7, 9]
+    assert frequent_tokens([[9, 9, 7, 7, 5]], 2, vocab_size=259).tolist() == [7, 9]  # tie 7/9 beats 5
+    assert load_draft_vocab(tmp_path) is None
+    save_draft_vocab(tmp_path, ids, source="test")
+    assert load_draft_vocab(tmp_path).tolist() == ids.tolist()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+# -- the lean forward (Llama-style models, steps without masked columns) ---------------------------
+def test_lean_forward_equals_the_models_forward(target):
+    from specdec import kv
+
+    assert kv.lean_forward_ok(target)
+    ids = torch.tensor(_prompts([9], seed=5))  # [1, 9]
+    with torch.inference_mode():
+        ref = target(input_ids=ids).logits  # one uncached pass: the reference for every position
+        m = kv.KVModel(target)
+        assert m.lean
+        m.prefill(ids[:, :4], torch.ones(1, 4, dtype=torch.bool))
+        got = [m.step(ids[:, 4:5]), m.step(ids[:, 5:8], keep=3), m.step(ids[:, 8:9])]  # 1, 3, 1 tokens
+        m.rollback(1, torch.tensor([0]), [0])  # crop, then step again: the cache stays consistent
+        again = m.step(ids[:, 8:9])
+    torch.testing.assert_close(torch.cat(got, dim=1), ref[:, 4:9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, ref[:, 8:9], rtol=1e-4, atol=1e-4)
+
+
+def test_lean_forward_is_refused_for_other_models(target, monkeypatch):
+    from specdec import kv
+
+    other = tiny_model(seed=4)
+    other.config.final_logit_softcapping = 30.0  # a feature the lean forward does not model
+    assert not kv.lean_forward_ok(other)
+    assert not kv.KVModel(other).lean
