@@ -207,7 +207,9 @@ def render_markdown(report: dict) -> str:
         f"Target `{report.get('target')}` on {s.get('device')} ({s.get('dtype')}); max_new_tokens "
         f"{s.get('max_new_tokens')}; {s.get('repeats')} timed repeats (median, spread min–max), "
         f"{s.get('warmup')} warm-up run(s) excluded. Eval sets: "
-        + ", ".join(f"{k} ({v.get('prompts')} prompts)" for k, v in (s.get("eval_sets") or {}).items()) + ".", "",
+        + ", ".join(f"{k} ({v.get('prompts')} prompts)" for k, v in (s.get("eval_sets") or {}).items()) + "."
+        + (f" Model drafts decode with a draft vocabulary of {s['draft_vocab']} tokens (transformers assisted "
+           "generation uses the whole head)." if s.get("draft_vocab") else ""), "",
         "## Headline", "", headline(report), "",
         "Greedy speculative output identical to the target's own: "
         + ("**yes**" if ok else "**NO: a decoder bug (see Doctor)**")

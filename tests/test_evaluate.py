@@ -276,6 +276,8 @@ def test_draft_vocabulary_from_the_runs_answers(run_root):
     evaluate.run(cfg)
     report = read_report(run_root)
     assert report["settings"]["draft_vocab"] == len(common) + 2
+    md = (run_root / "runs" / "r" / "evaluate" / "report.md").read_text()
+    assert f"draft vocabulary of {len(common) + 2} tokens" in md
     for row in rows_of(report, "best"):  # best == target: only the vocabulary cut makes it miss
         assert row["acceptance_rate"] < 0.95 and row["teacher_forced_acceptance"] < 0.95
         assert abs(row["acceptance_rate"] - row["teacher_forced_acceptance"]) < 0.25
