@@ -456,7 +456,8 @@ def run(cfg: DictConfig) -> dict:
     if manifest_path.exists():
         man = read_json(manifest_path)
         if (man.get("complete") and man.get("identity") == ident and man.get("data_limit") == cfg.data.limit
-                and man.get("data_self_instruct", 0) == cfg.data.self_instruct and all((out / s).exists() for s in man.get("shards", []))):
+                and man.get("data_self_instruct", 0) == cfg.data.self_instruct
+                and all((out / s).exists() for s in man.get("shards", []))):
             return man["summary"]
 
     # Data made with other settings: refuse, or clear it with overwrite=true.
@@ -476,6 +477,7 @@ def run(cfg: DictConfig) -> dict:
             for p in files:
                 p.unlink()
             manifest_path.unlink(missing_ok=True)
+            (out / SELF_INSTRUCT_FILE).unlink(missing_ok=True)  # written by the old model too
     state.wait_for_everyone()
 
     model_config = AutoConfig.from_pretrained(  # the context length, without loading weights

@@ -67,11 +67,7 @@ _CHOICE: dict[tuple, bool] = {}  # (out, in, rows, threads, dtype) -> use the tr
 _plain_linear_forward = torch.nn.Linear.forward
 
 
-def _mkl_packing() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-_PACKING = _mkl_packing()
+_PACKING = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, dict]" = weakref.WeakKeyDictionary()

@@ -325,3 +325,6 @@ def test_self_instruct_prompts_are_sampled_once_and_answered(tmp_path, prompts_f
     assert calls[0] == 2  # two new samples; then only their answers (if kept)
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()][:3] == [s["id"] for s in samples]
     assert run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5")) is not None and len(calls) <= 2
+    # other settings with overwrite=true replace the prompts along with the answers
+    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "generate.max_new_tokens=8", "generate.overwrite=true"))
+    assert len(path.read_text().splitlines()) == 2
