@@ -62,6 +62,7 @@ from distill.models import (
 from distill.utils import atomic_write_json, cli, start_stage
 from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.kv import KVModel
 from specdec.metrics import SpecMetrics, teacher_forced_acceptance
 from specdec.sampling import SamplingParams, logits_to_probs
 
@@ -449,6 +450,13 @@ def run(cfg: DictConfig) -> dict:
             rows.append({"name": c["name"], "kind": c["kind"], "draft": c["draft"], "error": c["error"],
                          "eval_set": None, "greedy_identical": None})
     ok = [c for c in cands if not c["error"]]
+    if draft_vocab is not None:  # checked before any timing: a draft that cannot use it stops the run now
+        bad = [c["name"] for c in ok if models.get(c["name"]) is not None
+               and not KVModel(models[c["name"]], c["vocab"]).lazy_head_ok]
+        if bad:
+            raise ConfigError(f"model.draft_vocab={cfg.model.draft_vocab} needs drafts whose logits are their LM head "
+                              f"applied to the last hidden state; {bad} are not (logit scaling or soft-capping): "
+                              "set model.draft_vocab=0")
     hf_draft = next((c for c in ok if c["kind"] == "model"), None) if "hf_assisted" in e.references else None
     per_set = len(grid) * (("target" in e.references) + len(ok) * len(e.gammas)) + len(e.gammas) * bool(hf_draft)
     total = len(sets) * per_set

@@ -292,3 +292,15 @@ def test_draft_vocabulary_from_the_runs_answers(run_root):
 def test_draft_vocabulary_needs_generated_answers(run_root):
     with pytest.raises(ConfigError, match="model.draft_vocab=0"):
         evaluate.run(make_cfg(run_root, "model.draft_vocab=50"))
+
+
+def test_draft_vocabulary_with_a_draft_that_cannot_use_it_stops_before_timing(run_root, monkeypatch):
+    from conftest import write_generated
+
+    from specdec.kv import KVModel
+
+    write_generated(run_root / "runs" / "r", [[5, 6, 7]])
+    monkeypatch.setattr(KVModel, "_check_lazy_head", lambda self: False)  # e.g. soft-capped logits
+    monkeypatch.setattr(evaluate, "_timed", lambda *a, **k: pytest.fail("timed a draft it had to refuse"))
+    with pytest.raises(ConfigError, match="set model.draft_vocab=0"):
+        evaluate.run(make_cfg(run_root, "model.draft_vocab=50"))
