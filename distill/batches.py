@@ -12,6 +12,7 @@ padded [B, L] batch, which is also the order the losses see them in.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -19,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from distill.losses import TopKTeacher, chunked_overlap, log_probs
+from distill.losses import TopKTeacher, VocabSubset, chunked_overlap, log_probs
 
 REFERENCE_K = 1024  # target probabilities kept per held-out position for α_TF (exact up to the tail beyond)
 
@@ -149,13 +150,18 @@ def holdout_reference(target: torch.nn.Module, exs: list[Example], batch_size: i
 
 @torch.no_grad()
 def measure_alpha(draft: torch.nn.Module, ref: Reference, device: Any = None, chunk_size: int = 512,
-                  vocab: Optional[int] = None) -> tuple[float, float]:
-    """(Σ over held-out positions of Σ_x min(p, q), positions): α_TF's numerator and denominator."""
+                  vocab: Optional[int] = None, subset: Optional[VocabSubset] = None) -> tuple[float, float]:
+    """(Σ over held-out positions of Σ_x min(p, q), positions): α_TF's numerator and denominator.
+    With a subset, q is the draft's softmax over it (zero elsewhere), as a draft vocabulary decodes."""
     was_training = draft.training
     draft.eval()
     decoder, head = decoder_and_head(draft)
+    if subset is not None:
+        head, vocab = subset.project(head), subset.size + 1
     num, den = 0.0, 0.0
     for b, teacher in zip(ref.batches, ref.teachers):
+        if subset is not None:
+            teacher = subset.restrict(teacher)[0]  # a normalised reference: p outside the subset is lost
         hidden = decoder(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
         s, c = chunked_overlap(hidden.float(), head, b["positions"], teacher, chunk_size, vocab)
         num, den = num + float(s), den + float(c)
@@ -171,8 +177,10 @@ def teacher_forced_acceptance_on(target: torch.nn.Module, draft: torch.nn.Module
 
 
 @torch.no_grad()
-def sample_on_policy(model: torch.nn.Module, exs: list[Example], max_new_tokens: int, tok: Any, device: Any) -> list[Example]:
-    """The same prompts with continuations the draft samples itself (temperature 1, ending at EOS inclusive)."""
+def sample_on_policy(model: torch.nn.Module, exs: list[Example], max_new_tokens: int, tok: Any, device: Any,
+                     subset: Optional[VocabSubset] = None) -> list[Example]:
+    """The same prompts with continuations the draft samples itself (temperature 1, ending at EOS inclusive);
+    with a subset, from its softmax over the subset's ids (as a draft vocabulary decodes)."""
     was_training = model.training
     model.eval()
     L = max(len(e.prompt_ids) for e in exs)
@@ -180,7 +188,8 @@ def sample_on_policy(model: torch.nn.Module, exs: list[Example], max_new_tokens:
     ids = torch.tensor([[pad] * (L - len(e.prompt_ids)) + e.prompt_ids for e in exs], device=device)
     mask = torch.tensor([[0] * (L - len(e.prompt_ids)) + [1] * len(e.prompt_ids) for e in exs], device=device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                         max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+                         max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                         logits_processor=[_OnlySubset(subset)] if subset is not None else None)
     model.train(was_training)
     res = []
     for e, row in zip(exs, out[:, L:].tolist()):
@@ -188,3 +197,15 @@ def sample_on_policy(model: torch.nn.Module, exs: list[Example], max_new_tokens:
             row = row[: row.index(tok.eos_token_id) + 1]
         res.append(Example(e.id + "#on-policy", e.prompt_ids, row or [tok.eos_token_id]))
     return res
+
+
+class _OnlySubset:
+    """A generate() logits processor that leaves only a subset's ids sampleable."""
+
+    def __init__(self, subset: VocabSubset):
+        self.subset = subset
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(scores, -math.inf)
+        ids = self.subset.ids.to(scores.device)
+        return out.index_copy_(1, ids, scores.index_select(1, ids))

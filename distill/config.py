@@ -113,6 +113,9 @@ class TrainConfig:
     teacher: str = "online"  # online (target logits in-process) | topk (stored by generate)
     on_policy_fraction: float = 0.0  # λ: share of batches whose responses the draft samples
     on_policy_max_new_tokens: int = 64
+    # with model.draft_vocab > 0: train q as the draft decodes, a softmax over the draft vocabulary only
+    # (α_TF and best/ too); false trains the whole head
+    draft_vocab: bool = True
     holdout: int = 16  # generated records held out for α_TF
     eval_every: int = 50
     save_every: int = 50

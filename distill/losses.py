@@ -230,6 +230,77 @@ def gather_teacher(teacher: Teacher, keep: torch.Tensor) -> Teacher:
     return TopKTeacher(teacher.ids[keep], teacher.logits[keep], teacher.normalized)
 
 
+# ---------------------------------------------------------------- a draft vocabulary
+
+SINK = -1e4  # logit of the column that stands for every token outside a vocabulary subset
+
+
+@dataclass
+class VocabSubset:
+    """Train and score a draft as it decodes with a draft vocabulary (specdec's ModelDrafter(vocab=ids)).
+
+    q is the softmax over the S ids only, and the target's p is restricted to them and renormalised:
+    with q confined to the subset, that is the q that maximises Σ_x min(p, q). Projected logits are
+    [*, S + 1]: the S ids in order, then one sink column at SINK for every other token, so a teacher
+    id outside the subset maps to a column whose probability underflows to exactly 0 while every
+    value stays finite (no inf − inf in any divergence).
+    """
+
+    ids: torch.Tensor  # [S] long, distinct token ids
+    vocab: int  # the full vocabulary size the ids index into
+
+    def __post_init__(self) -> None:
+        self.ids = self.ids.long()
+        self.size = int(self.ids.numel())
+        self.index = torch.full((self.vocab,), self.size, dtype=torch.long, device=self.ids.device)  # id -> column
+        self.index[self.ids] = torch.arange(self.size, device=self.ids.device)
+
+    def project(self, head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A head [*, H] -> [*, S + 1] from an LM head (nn.Linear): the subset's rows plus the sink."""
+
+        cache: dict = {}
+
+        def rows() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            w, b = head.weight, getattr(head, "bias", None)
+            if w.requires_grad or (b is not None and b.requires_grad):
+                ids = self.ids.to(w.device)
+                return w[ids], b[ids] if b is not None else None
+            key = (w.data_ptr(), w._version)  # a frozen head: gather its rows once, again only if it changes
+            if cache.get("key") != key:
+                ids = self.ids.to(w.device)
+                cache.update(key=key, rows=(w[ids], b[ids] if b is not None else None))
+            return cache["rows"]
+
+        def subset_head(h: torch.Tensor) -> torch.Tensor:
+            z = F.linear(h, *rows())  # [*, S]
+            return torch.cat([z, z.new_full((*z.shape[:-1], 1), SINK)], dim=-1)
+
+        return subset_head
+
+    def columns(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> subset columns (S, the sink, for ids outside the subset). Same shape."""
+        return self.index.to(token_ids.device)[token_ids.long()]
+
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Label ids -> columns, with ids outside the subset (and -100) ignored (-100) by the CE mix."""
+        cols = self.columns(labels.clamp(min=0))
+        return torch.where((labels < 0) | (cols == self.size), torch.full_like(cols, -100), cols)
+
+    def restrict(self, teacher: "Teacher") -> tuple["Teacher", Optional[torch.Tensor]]:
+        """(the teacher over the subset's columns, keep [N] bool or None). keep drops the rows of a
+        top-k teacher whose k ids all lie outside the subset: p restricted to it is undefined there."""
+        if isinstance(teacher, DenseTeacher):
+            z = teacher.logits[:, self.ids.to(teacher.logits.device)]
+            return DenseTeacher(torch.cat([z, z.new_full((z.shape[0], 1), SINK)], dim=-1)), None
+        if isinstance(teacher, HiddenTeacher):
+            return HiddenTeacher(teacher.hidden, self.project(teacher.head)), None
+        cols = self.columns(teacher.ids)  # [N, k]
+        inside = cols < self.size
+        logits = torch.where(inside, teacher.logits.float(), torch.full_like(teacher.logits, SINK, dtype=torch.float32))
+        keep = None if teacher.normalized else inside.any(-1)
+        return TopKTeacher(cols, logits, teacher.normalized), keep
+
+
 # ---------------------------------------------------------------- the chunked driver
 
 

@@ -29,7 +29,7 @@ import math
 import os
 import random
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hydra
 import torch
@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 from distill import checkpoint as ck
 from distill.batches import collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
 from distill.config import ConfigError, run_dir
-from distill.losses import HiddenTeacher, TopKTeacher, chunked_distill_loss
-from distill.models import load_draft, load_target, resolve_device, shared_vocab_size, tokenizer_fingerprint
+from distill.losses import HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, gather_teacher
+from distill.models import load_draft, load_target, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
 from distill.utils import cli, read_json, start_stage
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,10 @@ class DraftLoss(torch.nn.Module):
     are longer than answers.
     """
 
-    def __init__(self, draft: torch.nn.Module, loss_cfg: Any, vocab: int, prompt_grad: bool = True):
+    def __init__(self, draft: torch.nn.Module, loss_cfg: Any, vocab: int, prompt_grad: bool = True,
+                 subset: Optional[VocabSubset] = None):
         super().__init__()
-        self.draft, self.lc, self.vocab, self.prompt_grad = draft, loss_cfg, vocab, prompt_grad
+        self.draft, self.lc, self.vocab, self.prompt_grad, self.subset = draft, loss_cfg, vocab, prompt_grad, subset
 
     def forward(self, input_ids, attention_mask, positions, labels, teacher):
         decoder, head = decoder_and_head(self.draft)
@@ -76,10 +77,17 @@ class DraftLoss(torch.nn.Module):
             positions, labels = positions[:, start:], labels[:, start:]
         else:
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
-        lc = self.lc
+        lc, vocab = self.lc, self.vocab
+        if self.subset is not None:  # train q as it is decoded: a softmax over the draft vocabulary
+            teacher, keep = self.subset.restrict(teacher)
+            if keep is not None and not bool(keep.all()):  # rows whose teacher lies wholly outside it count 0
+                positions = positions.clone()
+                positions[positions.clone()] = keep
+                teacher = gather_teacher(teacher, keep)
+            head, labels, vocab = self.subset.project(head), self.subset.labels(labels), self.subset.size + 1
         return chunked_distill_loss(
             hidden, head, positions, teacher, lc.name, lc.beta, lc.temperature,
-            labels, lc.ce_weight, lc.chunk_size, self.vocab,
+            labels, lc.ce_weight, lc.chunk_size, vocab,
         )
 
 
@@ -130,11 +138,25 @@ def _check_generated(cfg: DictConfig, tok: Any) -> Any:
     return records
 
 
-def _schedule(optimizer, t: Any):
-    from transformers import get_scheduler
+def _schedule(optimizer, t: Any, elapsed_s: Callable[[], float]) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over train.warmup_steps, then cosine or linear decay to 0 (or constant).
 
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[t.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps)
+    The decay runs over train.max_steps, or over train.time_budget_min when that ends the run first:
+    progress is the larger of the share of steps done and the share of the budget spent, so a run
+    stopped by its budget still ends with its learning rate annealed.
+    """
+    budget = t.time_budget_min * 60 if t.time_budget_min else math.inf
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return step / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        done = max((step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps), elapsed_s() / budget)
+        done = min(1.0, done)
+        return 0.5 * (1.0 + math.cos(math.pi * done)) if t.schedule == "cosine" else 1.0 - done
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _done(summary: Optional[dict], cfg: DictConfig, out) -> bool:
@@ -177,12 +199,15 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"all {len(holdout)} generated records are held out; generate more or lower train.holdout")
     if cfg.student.kind == "lora" and acc.is_main_process:
         ck.save_init(out, draft, tok)
+    ids = run_draft_vocab(cfg, vocab) if t.draft_vocab else None
+    subset = VocabSubset(ids.to(acc.device), vocab) if ids is not None else None
     student = make_student(cfg, draft, out)
     if acc.mixed_precision != "no":
         student.float()  # master weights in fp32; autocast computes in bf16
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay)
-    scheduler = _schedule(optimizer, t)
-    model = acc.prepare(DraftLoss(student, lc, vocab, prompt_grad=t.prompt_grad or t.gradient_checkpointing))
+    # the fused kernel: one pass over the weights instead of several (5x faster on CPU for a small draft)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=t.lr,
+                                  weight_decay=t.weight_decay, fused=acc.device.type in ("cpu", "cuda"))
+    model = acc.prepare(DraftLoss(student, lc, vocab, prompt_grad=t.prompt_grad or t.gradient_checkpointing, subset=subset))
     rank, world = acc.process_index, acc.num_processes
     micro = holdout[rank::world]
     ref = holdout_reference(target, micro, t.batch_size, vocab, acc.device, lc.chunk_size)
@@ -192,11 +217,12 @@ def run(cfg: DictConfig) -> dict:
         target = None
 
     def alpha() -> float:
-        num, den = measure_alpha(student, ref, acc.device, lc.chunk_size, vocab)
+        num, den = measure_alpha(student, ref, acc.device, lc.chunk_size, vocab, subset)
         tot = acc.reduce(torch.tensor([num, den], dtype=torch.float64, device=acc.device), "sum")
         return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
 
     state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
+    scheduler = _schedule(optimizer, t, lambda: state["elapsed_s"])
     ckpts = ck.checkpoints(out)
     if t.resume == "auto" and ckpts:
         step0, path = ckpts[-1]
@@ -246,7 +272,7 @@ def run(cfg: DictConfig) -> dict:
             "holdout_records": len(holdout), "holdout_tail_mass": ref.tail_mass, "train_records": len(train_set),
             "settings": {"loss": OmegaConf.to_container(lc), "student": OmegaConf.to_container(cfg.student),
                          "train": OmegaConf.to_container(t), "draft_layers": list(cfg.model.draft_layers),
-                         "draft_init": cfg.model.draft_init, "world_size": world, "global_batch": G,
+                         "draft_init": cfg.model.draft_init, "draft_vocab": subset.size if subset else 0, "world_size": world, "global_batch": G,
                          "peak_tokens_per_s": max(rates) if rates else None},
             "history": state["history"],
         }
@@ -262,7 +288,7 @@ def run(cfg: DictConfig) -> dict:
             lo = (a * world + rank) * t.batch_size
             exs = [train_set[i] for i in batch_ids[lo:lo + t.batch_size]]
             if on_policy:
-                exs = sample_on_policy(student, exs, t.on_policy_max_new_tokens, tok, acc.device)
+                exs = sample_on_policy(student, exs, t.on_policy_max_new_tokens, tok, acc.device, subset)
             micro_batches.append(exs)
         local_n = sum(len(e.response_ids) for exs in micro_batches for e in exs)
         count = float(acc.reduce(torch.tensor(float(local_n), device=acc.device), "sum"))

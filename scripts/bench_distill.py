@@ -38,7 +38,9 @@ sys.path.insert(0, str(ROOT))
 from distill import generate, train  # noqa: E402
 from distill.batches import holdout_reference, measure_alpha, to_examples  # noqa: E402
 from distill.generate import load_generated  # noqa: E402
+from distill.losses import VocabSubset  # noqa: E402
 from distill.models import draft_from_target, load_draft, load_model, load_target, shared_vocab_size  # noqa: E402
+from specdec.drafters import frequent_tokens  # noqa: E402
 
 CONF = str(ROOT / "conf")
 EVAL_SETS = ("humaneval", "mt_bench")
@@ -71,10 +73,10 @@ def references(root: str, target, tok, vocab: int, n_eval: int) -> dict:
     return refs
 
 
-def alphas(draft, refs: dict, vocab: int) -> dict:
+def alphas(draft, refs: dict, vocab: int, subset=None) -> dict:
     out = {}
     for s, ref in refs.items():
-        num, den = measure_alpha(draft, ref, vocab=vocab)
+        num, den = measure_alpha(draft, ref, vocab=vocab, subset=subset)
         out[s] = num / den
     return out
 
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="train on this run's generated records (with top-k logits) instead")
     ap.add_argument("--skip-before", action="store_true", help="do not measure the initial draft (saves minutes)")
     ap.add_argument("--shapes", default="[[0,29],[0,1,28,29],[0,10,20,29]]", help="draft_layers lists for --init-only")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="score q over the N tokens the training answers use most (default: the run's model.draft_vocab)")
     ap.add_argument("overrides", nargs="*", help="distill config overrides, e.g. train.lr=1e-3 loss=tvd")
     args = ap.parse_args()
 
@@ -123,9 +127,19 @@ def main() -> None:
     refs = references(args.root, target, tok, vocab, args.eval_records)
     t_target = decode_step_s(target)
 
+    data = args.data or os.path.join(args.root, "bench-data")
+
+    def subset_of(n: int):
+        if not n:
+            return None
+        answers = load_generated(data)["response_ids"]
+        return VocabSubset(frequent_tokens(answers, min(n, vocab), vocab), vocab)
+
     if args.measure:
-        a = alphas(load_model(args.measure, device=str(target.device)), refs, vocab)
-        print(f"{args.measure}: α_TF humaneval {a['humaneval']:.3f}, mt_bench {a['mt_bench']:.3f}")
+        sub = subset_of(args.draft_vocab or 0)
+        a = alphas(load_model(args.measure, device=str(target.device)), refs, vocab, sub)
+        print(f"{args.measure}: α_TF humaneval {a['humaneval']:.3f}, mt_bench {a['mt_bench']:.3f}"
+              + (f" (draft vocabulary of {sub.size} tokens from {data})" if sub else ""))
         return
 
     if args.init_only:
@@ -136,7 +150,6 @@ def main() -> None:
             print(f"{str(shape):<28} {a['humaneval']:>15.3f} {a['mt_bench']:>14.3f} {decode_step_s(d) / t_target:>11.3f}", flush=True)
         return
 
-    data = args.data or os.path.join(args.root, "bench-data")
     if not args.no_generate and not args.data:
         ensure_generated(args.root, "bench-data", ["data=stdlib", f"data.limit={args.train_records}", "generate.store_topk=64"])
     name = args.name or "train-" + "-".join(o.replace("=", "").replace("/", "") for o in args.overrides)[:80] or "train-default"
@@ -146,15 +159,17 @@ def main() -> None:
         os.symlink(os.path.abspath(os.path.join(data, "generate")), run_path / "generate")
     cfg = cfg_for("distill", [f"runs_root={args.root}", f"run_name={name}", "logger=none",
                               f"train.time_budget_min={args.minutes}", *args.overrides])
+    n_sub = args.draft_vocab if args.draft_vocab is not None else (cfg.model.draft_vocab if cfg.train.draft_vocab else 0)
+    sub = subset_of(n_sub)  # α_TF as the draft decodes (and, with train.draft_vocab, as it trains)
     init = load_draft(cfg.model, target, tok)
-    before = {s: float("nan") for s in EVAL_SETS} if args.skip_before else alphas(init, refs, vocab)
+    before = {s: float("nan") for s in EVAL_SETS} if args.skip_before else alphas(init, refs, vocab, sub)
     c = decode_step_s(init) / t_target
     del init
     t0 = time.perf_counter()
     summary = train.run(cfg)
     wall = time.perf_counter() - t0
     best = load_model(str(run_path / "distill" / "best"), device=str(target.device))
-    after = alphas(best, refs, vocab)
+    after = alphas(best, refs, vocab, sub)
     row = {
         "name": name, "data": data, "overrides": args.overrides, "draft_layers": list(cfg.model.draft_layers),
         "steps": summary["step"], "train_s": summary.get("elapsed_s"), "wall_s": round(wall, 1),
@@ -162,7 +177,7 @@ def main() -> None:
         "holdout_alpha_init": summary["init_teacher_forced_acceptance"],
         "holdout_alpha_best": summary["best_teacher_forced_acceptance"], "best_step": summary["best_step"],
         "alpha_before": before, "alpha_after": after, "cost_ratio_estimate": round(c, 3),
-        "peak_memory_gib": round(peak_memory_gib(), 2), "threads": torch.get_num_threads(),
+        "peak_memory_gib": round(peak_memory_gib(), 2), "threads": torch.get_num_threads(), "draft_vocab": n_sub,
     }
     print(json.dumps(row))
     print(f"\n{'':<10} {'α_TF humaneval':>15} {'α_TF mt_bench':>14}")

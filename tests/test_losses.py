@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from distill.losses import (
-    DenseTeacher, HiddenTeacher, LOSSES, TopKTeacher, chunked_distill_loss, chunked_overlap, divergence,
-    forward_kl, generalized_jsd, reverse_kl, teacher_forced_acceptance, total_variation,
+    DenseTeacher, HiddenTeacher, LOSSES, TopKTeacher, VocabSubset, chunked_distill_loss, chunked_overlap, divergence,
+    forward_kl, generalized_jsd, log_probs, reverse_kl, teacher_forced_acceptance, total_variation,
 )
 
 
@@ -178,3 +178,57 @@ def test_overlap_with_exact_topk_reference_is_a_lower_bound_within_the_tail():
         assert float(s / n) <= float(exact) + 1e-6 and float(exact) - float(s / n) <= float(tail) + 1e-6
         if exact_match:
             assert float(s / n) == pytest.approx(float(exact), abs=1e-6)
+
+
+# ---------------------------------------------------------------- a draft vocabulary (VocabSubset)
+
+
+def _subset_reference(name, p_logits, q_logits, ids, **kw):
+    """The divergence between p restricted to ids (renormalised) and q's softmax over ids, densely."""
+    return divergence(name, p_logits[:, ids], q_logits[:, ids], **kw)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_subset_loss_equals_the_restricted_dense_loss(name):
+    hidden, head, positions, labels, p_logits = _setup(seed=4)
+    ids = torch.tensor([11, 0, 5, 7, 2, 9, 3])  # 7 of 13 ids, unsorted
+    sub = VocabSubset(ids, 13)
+    q_logits = head(hidden[positions])
+    kw = dict(beta=0.3, temperature=1.5)
+    want = _subset_reference(name, p_logits, q_logits, ids, **kw)
+    for teacher in (DenseTeacher(p_logits), TopKTeacher(*p_logits.topk(13, dim=-1)[::-1])):  # a top-k teacher with k = V
+        t, keep = sub.restrict(teacher)
+        assert keep is None or bool(keep.all())
+        s, n = chunked_distill_loss(hidden, sub.project(head), positions, t, name, vocab_size=sub.size + 1, chunk_size=4, **kw)
+        torch.testing.assert_close(s / n, want.float())
+        (g,) = torch.autograd.grad(s, hidden)
+        assert torch.isfinite(g).all()
+
+
+def test_subset_of_every_id_changes_nothing_and_labels_map_to_columns():
+    hidden, head, positions, labels, p_logits = _setup(seed=5)
+    sub = VocabSubset(torch.randperm(13, generator=torch.Generator().manual_seed(0)), 13)
+    top = p_logits.topk(5, dim=-1)
+    for name in LOSSES:
+        a, _ = chunked_distill_loss(hidden, head, positions, TopKTeacher(top.indices, top.values), name, labels=labels, ce_weight=0.5)
+        b, _ = chunked_distill_loss(hidden, sub.project(head), positions, sub.restrict(TopKTeacher(top.indices, top.values))[0],
+                                    name, labels=sub.labels(labels), ce_weight=0.5, vocab_size=14)
+        torch.testing.assert_close(a, b)
+    small = VocabSubset(torch.tensor([4, 1]), 13)
+    assert small.labels(torch.tensor([1, 4, 2, -100])).tolist() == [1, 0, -100, -100]
+
+
+def test_subset_drops_teacher_rows_wholly_outside_and_scores_overlap_as_decoded():
+    hidden, head, positions, _, p_logits = _setup(seed=6)
+    ids = torch.tensor([0, 1, 2, 3])
+    sub = VocabSubset(ids, 13)
+    top = p_logits.topk(3, dim=-1)
+    t, keep = sub.restrict(TopKTeacher(top.indices, top.values))
+    assert torch.equal(keep, (top.indices < 4).any(-1)) and not bool(keep.all())
+    # α_TF over the subset: Σ_x min(p(x), q_S(x)) with p over the full vocabulary (a normalised reference)
+    logp = log_probs(p_logits)
+    ref = TopKTeacher(*logp.topk(13, dim=-1)[::-1], normalized=True)
+    s, n = chunked_overlap(hidden, sub.project(head), positions, sub.restrict(ref)[0], vocab_size=5)
+    q_sub = torch.zeros_like(p_logits).index_copy_(1, ids, head(hidden[positions])[:, ids].softmax(-1)).detach()
+    want = torch.minimum(logp.exp(), q_sub).sum(-1).mean()
+    torch.testing.assert_close(float(s / n), float(want))

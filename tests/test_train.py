@@ -281,3 +281,38 @@ def test_examples_from_a_selected_view_are_those_rows(gen):
     for e in picked:
         assert (e.prompt_ids, e.response_ids) == (full[e.id].prompt_ids, full[e.id].response_ids)
         assert (e.topk_ids == full[e.id].topk_ids).all()
+
+
+def test_draft_vocabulary_trains_and_scores_q_as_decoded(gen, tmp_path):
+    """model.draft_vocab: the loss and α_TF use the draft's softmax over the run's most used ids."""
+    from distill.batches import holdout_reference, measure_alpha, split_holdout, to_examples
+    from distill.generate import load_generated
+    from distill.losses import VocabSubset
+    from distill.models import load_model, load_target, run_draft_vocab
+
+    cfg = setup_run(gen, tmp_path, "dv", "model.draft_vocab=40", "train.teacher=topk", "train.eval_every=1")
+    s = train.run(cfg)
+    assert s["settings"]["draft_vocab"] == 40 and all(x == x for x in losses(s))
+    # on-policy steps sample from the draft vocabulary and are scored online (also restricted to it)
+    onp = train.run(setup_run(gen, tmp_path, "dvo", "model.draft_vocab=40", "train.on_policy_fraction=1.0",
+                              "train.on_policy_max_new_tokens=6", "train.max_steps=2", "loss=rkl"))
+    assert all(h["on_policy"] for h in onp["history"][1:]) and all(x == x for x in losses(onp))
+    target, _ = load_target(cfg.model)
+    vocab = target.config.vocab_size
+    _, held = split_holdout(to_examples(load_generated(tmp_path / "dv"), cfg.train.max_seq_len), cfg.train.holdout, cfg.seed)
+    ref = holdout_reference(target, held, 4, vocab, "cpu")
+    best = load_model(str(tmp_path / "dv" / "distill" / "best"))
+    sub = VocabSubset(run_draft_vocab(cfg, vocab), vocab)
+    num, den = measure_alpha(best, ref, vocab=vocab, subset=sub)
+    assert num / den == pytest.approx(s["best_teacher_forced_acceptance"], abs=1e-5)
+    whole = measure_alpha(best, ref, vocab=vocab)
+    assert abs(whole[0] / whole[1] - num / den) > 1e-4  # the whole head scores another q
+    from distill.batches import sample_on_policy
+
+    target, tok = load_target(cfg.model)
+    few = VocabSubset(torch.tensor([tok.eos_token_id, 5, 9, 40, 41]), vocab)
+    for e in sample_on_policy(target, held, 8, tok, "cpu", few):
+        assert set(e.response_ids) <= set(few.ids.tolist())
+    # train.draft_vocab=false: the whole head is trained and scored, the draft vocabulary is decode-only
+    s2 = train.run(setup_run(gen, tmp_path, "dv0", "model.draft_vocab=40", "train.draft_vocab=false", "train.max_steps=1"))
+    assert s2["settings"]["draft_vocab"] == 0
