@@ -316,3 +316,25 @@ def test_draft_vocabulary_trains_and_scores_q_as_decoded(gen, tmp_path):
     # train.draft_vocab=false: the whole head is trained and scored, the draft vocabulary is decode-only
     s2 = train.run(setup_run(gen, tmp_path, "dv0", "model.draft_vocab=40", "train.draft_vocab=false", "train.max_steps=1"))
     assert s2["settings"]["draft_vocab"] == 0
+
+
+def test_schedule_decays_over_the_time_budget_when_it_ends_the_run_first():
+    from types import SimpleNamespace
+
+    from distill.train import _schedule
+
+    clock = {"s": 0.0}
+    for name, half in (("linear", 0.5), ("cosine", 0.5), ("constant", 1.0)):
+        t = SimpleNamespace(warmup_steps=2, max_steps=1000, time_budget_min=1.0, schedule=name)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = _schedule(opt, t, lambda: clock["s"])
+        f = sched.lr_lambdas[0]
+        clock["s"] = 0.0
+        assert (f(0), f(1), f(2)) == (0.0, 0.5, 1.0)  # warm-up, then the full rate
+        clock["s"] = 30.0  # half the budget spent after only 10 of 1000 steps: the budget sets the pace
+        assert f(12) == pytest.approx(half)
+        clock["s"] = 60.0
+        assert f(12) == pytest.approx(0.0 if name != "constant" else 1.0)
+    t = SimpleNamespace(warmup_steps=0, max_steps=10, time_budget_min=None, schedule="linear")
+    f = _schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), t, lambda: 1e9).lr_lambdas[0]
+    assert f(5) == pytest.approx(0.5)  # no budget: steps alone
