@@ -26,6 +26,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+try:
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # transformers 4.x before per-layer cache objects: plain DynamicCache
+    DynamicLayer = None
+
 
 def _forward_kwargs(model: torch.nn.Module) -> tuple[str, str | None]:
     """Name of the cache argument and of the keep-only-last-logits argument of ``model.forward``."""
@@ -44,11 +49,46 @@ def logits_width(model: torch.nn.Module) -> int:
     return int(cfg.vocab_size)
 
 
+if DynamicLayer is not None:
+
+    class GrowingLayer(DynamicLayer):
+        """A full-attention cache layer whose keys/values are views into buffers with spare columns, so
+        a step writes its new columns in place; DynamicLayer concatenates, copying the whole cache every
+        step (about 15 MB per layer and step for 32 rows of 300 tokens in SmolLM2-135M).
+
+        Cropping keeps the buffer (a shorter view). Anything that replaces keys/values (row selection,
+        KVModel.absorb) is noticed on the next update and copied into a fresh buffer.
+        """
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self._bufs = None
+            n, q = self.get_seq_length(), key_states.shape[-2]
+            buf = self._bufs[0] if self._bufs is not None else None
+            if (buf is None or n + q > buf.shape[-2] or buf.shape[:-2] != key_states.shape[:-2]
+                    or (n and self.keys.data_ptr() != buf.data_ptr())):
+                cap = n + q + max(128, (n + q) // 2)
+                self._bufs = tuple(s.new_empty(*s.shape[:-2], cap, s.shape[-1]) for s in (key_states, value_states))
+                if n:
+                    self._bufs[0][..., :n, :] = self.keys
+                    self._bufs[1][..., :n, :] = self.values
+            kb, vb = self._bufs
+            kb[..., n : n + q, :] = key_states
+            vb[..., n : n + q, :] = value_states
+            self.keys, self.values = kb[..., : n + q, :], vb[..., : n + q, :]
+            return self.keys, self.values
+
+
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     try:
-        return DynamicCache(config=model.config)  # 5.x: layer types (sliding window, ...) from the config
+        cache = DynamicCache(config=model.config)  # 5.x: layer types (sliding window, ...) from the config
     except TypeError:
         return DynamicCache()
+    layers = getattr(cache, "layers", None)
+    if DynamicLayer is not None and layers and all(type(x) is DynamicLayer for x in layers):
+        cache.layers = [GrowingLayer() for _ in layers]
+    return cache
 
 
 # -- multi-token steps on CPU: faster kernels for a few rows ---------------------------------------
@@ -140,17 +180,22 @@ def small_rows_kernels(enabled: bool = True) -> Iterator[None]:
 # -- a lean forward for Llama-style models ----------------------------------------------------------
 # The same math as transformers' Llama/Qwen2 forward (its own modules: norms, rotary embedding,
 # projections, MLP; SDPA with grouped KV heads), without the per-call machinery around it (mask
-# builders, output records, kwargs plumbing). Used for steps without masked cache columns; whether a
-# model qualifies is checked once by comparing both forwards on a short input.
+# builders, output records, kwargs plumbing); masked cache columns (left padding, a row's rejected
+# tokens) become a boolean SDPA mask. Whether a model qualifies is checked once by comparing both
+# forwards on a short two-row input, one row left-padded.
 # SmolLM2-135M, 2 threads: a 1-token step 44.1 -> 42.0 ms, 5 tokens 71.4 -> 65.1 ms; its 6-layer draft
 # 13.1 -> 11.9 ms; logits bit-identical.
 _LEAN_TYPES = ("llama", "qwen2")
 _LEAN_OK: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
-def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, cache, keep: int):
-    """Final hidden states [B, keep, H] of the last `keep` of tokens [B, q], appending to `cache`
-    (a DynamicCache whose columns are all unmasked)."""
+def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, cache, keep: int,
+                cols: torch.Tensor | None = None):
+    """Final hidden states [B, keep, H] of the last `keep` of tokens [B, q], appending to `cache`.
+
+    cols [B, past + q] bool marks the cache columns (old and new) each row may attend to; None means
+    all of them. A masked new token still attends to itself, so its (unused) output stays finite.
+    """
     from transformers.models.llama.modeling_llama import rotate_half
 
     body = model.model
@@ -160,6 +205,11 @@ def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torc
     cos, sin = cos[:, None], sin[:, None]
     past = cache.get_seq_length()
     mask = None if q == 1 or past == 0 else torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)
+    if cols is not None:  # [B, 1, q, past + q]: causal, without the masked columns, diagonal always kept
+        causal = torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)
+        diag = torch.zeros_like(causal)
+        diag[:, past:] = torch.eye(q, dtype=torch.bool, device=h.device)
+        mask = ((cols[:, None, :] & causal) | diag)[:, None]
     for i, layer in enumerate(body.layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm(h)
@@ -197,17 +247,28 @@ def _check_lean(model: torch.nn.Module) -> bool:
         return False
     device = model_device(model)
     try:
-        ids = torch.tensor([[1, 2, 3, 4]], device=device)
-        pos = torch.arange(4, device=device)[None]
-        ref_cache, lean_cache = new_cache(model), new_cache(model)
+        # two rows, one left-padded (a masked column): 3 tokens, then 1
+        ids = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]], device=device)
+        cols = torch.tensor([[False, True, True, True], [True, True, True, True]], device=device)
+        pos = (cols.long().cumsum(1) - 1).clamp(min=0)
         cache_arg = _forward_kwargs(model)[0]
-        ref = [model(input_ids=ids[:, :3], position_ids=pos[:, :3], use_cache=True, **{cache_arg: ref_cache}).logits,
-               model(input_ids=ids[:, 3:], position_ids=pos[:, 3:], use_cache=True, **{cache_arg: ref_cache}).logits]
-        got = [model.lm_head(lean_hidden(model, ids[:, :3], pos[:, :3], lean_cache, 3)),
-               model.lm_head(lean_hidden(model, ids[:, 3:], pos[:, 3:], lean_cache, 1))]
+        for holes in (False, True):
+            rows = slice(None) if holes else slice(1, 2)  # without holes: the unpadded row alone
+            x, c, p = ids[rows], cols[rows], pos[rows]
+            ref_cache, lean_cache = new_cache(model), new_cache(model)
+            ref = [model(input_ids=x[:, :3], attention_mask=c[:, :3].long(), position_ids=p[:, :3], use_cache=True,
+                         **{cache_arg: ref_cache}).logits,
+                   model(input_ids=x[:, 3:], attention_mask=c.long(), position_ids=p[:, 3:], use_cache=True,
+                         **{cache_arg: ref_cache}).logits]
+            got = [model.lm_head(lean_hidden(model, x[:, :3], p[:, :3], lean_cache, 3, c[:, :3] if holes else None)),
+                   model.lm_head(lean_hidden(model, x[:, 3:], p[:, 3:], lean_cache, 1, c if holes else None))]
+            real = c[:, :3, None].expand_as(ref[0])  # padded positions' outputs are never used
+            for a, b in ((ref[0][real], got[0][real]), (ref[1], got[1])):
+                if not bool((a - b).abs().max() <= 1e-5 * a.abs().max().clamp(min=1)):
+                    return False
     except Exception:  # another architecture under a familiar name: use the model's own forward
         return False
-    return all(bool((a - b).abs().max() <= 1e-5 * a.abs().max().clamp(min=1)) for a, b in zip(ref, got))
+    return True
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -233,7 +294,7 @@ class KVModel:
         body = getattr(model, "base_model", None)
         self._body_cache_arg = _forward_kwargs(body)[0] if body is not None else self._cache_arg
         self._lazy_ok: bool | None = None
-        self.lean = lean_forward_ok(model)  # the lean forward for steps without masked columns
+        self.lean = lean_forward_ok(model)  # the lean forward (masked columns included)
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, capacity]
         self.pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] next position per row
@@ -248,11 +309,14 @@ class KVModel:
             kwargs["attention_mask"] = self.mask[:, : self.length]
         return kwargs
 
+    def _cols(self) -> torch.Tensor | None:
+        return self.mask[:, : self.length] if self.holes else None
+
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
         self.calls += 1
         with small_rows_kernels(self.small_rows and tokens.shape[1] > 1):
-            if self.lean and not self.holes:
-                hidden = lean_hidden(self.model, tokens, position_ids, self.cache, max(keep, 1))
+            if self.lean:
+                hidden = lean_hidden(self.model, tokens, position_ids, self.cache, max(keep, 1), self._cols())
                 logits = self.model.lm_head(hidden)  # [B, keep, width]
             else:
                 kwargs = self._kwargs(self._cache_arg, position_ids)
@@ -285,8 +349,8 @@ class KVModel:
         position_ids = self._append(tokens, valid)
         self.calls += 1
         with small_rows_kernels(self.small_rows and tokens.shape[1] > 1):
-            if self.lean and not self.holes:
-                return lean_hidden(self.model, tokens, position_ids, self.cache, tokens.shape[1])
+            if self.lean:
+                return lean_hidden(self.model, tokens, position_ids, self.cache, tokens.shape[1], self._cols())
             kwargs = self._kwargs(self._body_cache_arg, position_ids)
             return self.model.base_model(input_ids=tokens, **kwargs).last_hidden_state
 
@@ -372,7 +436,7 @@ class KVModel:
         5.x DynamicLayer); raises NotImplementedError for other cache kinds.
         """
         layers_a, layers_b = getattr(self.cache, "layers", None), getattr(other.cache, "layers", None)
-        if not layers_a or not layers_b or any(type(x).__name__ != "DynamicLayer" for x in layers_a + layers_b):
+        if not layers_a or not layers_b or any(not isinstance(x, DynamicLayer) or x.is_sliding for x in layers_a + layers_b):
             raise NotImplementedError("absorb needs transformers 5.x full-attention (DynamicLayer) caches")
         La, Lb = self.length, other.length
         L = max(La, Lb)

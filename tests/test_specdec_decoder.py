@@ -577,3 +577,50 @@ def test_lean_forward_is_refused_for_other_models(target, monkeypatch):
     other.config.final_logit_softcapping = 30.0  # a feature the lean forward does not model
     assert not kv.lean_forward_ok(other)
     assert not kv.KVModel(other).lean
+
+
+def _kv_script(make, prompts, extra):
+    """One sequence of KVModel operations with left padding, holes, rollback, absorb and row selection
+    on KVModels from make(); returns the first KVModel and every logits tensor it produced."""
+    from specdec.decoder import left_pad
+
+    m, out = make(), []
+    ids, mask = left_pad(prompts, None, 0, m.device)
+    m.prefill(ids[:, :-1], mask[:, :-1])
+    out.append(m.step(ids[:, -1:]))
+    out.append(m.step(torch.tensor([[5, 6, 7], [8, 9, 10]]), keep=3))
+    m.rollback(3, torch.tensor([1, 3]), [1, 3])  # rows keep different counts: holes for row 0
+    out.append(m.step(torch.tensor([[11], [12]])))
+    other = make()
+    ids2, mask2 = left_pad(extra, None, 0, m.device)
+    other.prefill(ids2, mask2)
+    m.absorb(other)
+    out.append(m.step(torch.tensor([[13], [14], [15]])))
+    m.select_rows(torch.tensor([0, 2]))
+    out.append(m.step(torch.tensor([[16, 17], [18, 19]]), keep=2))
+    return m, out
+
+
+def test_lean_forward_with_masked_columns_and_growing_cache_equal_the_models_forward(target, monkeypatch):
+    from transformers import DynamicCache
+
+    from specdec import kv
+
+    prompts, extra = _prompts([3, 7], seed=8), _prompts([5], seed=9)
+    with torch.inference_mode():
+        fast, got = _kv_script(lambda: kv.KVModel(target), prompts, extra)
+        assert fast.lean
+        assert all(isinstance(x, kv.GrowingLayer) for x in fast.cache.layers)
+        ptr = fast.cache.layers[0].keys.data_ptr()
+        fast.step(torch.tensor([[20], [21]]))
+        assert fast.cache.layers[0].keys.data_ptr() == ptr  # appended in place, not copied
+        monkeypatch.setattr(kv, "new_cache", lambda model: DynamicCache(config=model.config))
+
+        def reference():  # the model's own forward and transformers' concatenating cache
+            m = kv.KVModel(target)
+            m.lean = False
+            return m
+
+        _, ref = _kv_script(reference, prompts, extra)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
