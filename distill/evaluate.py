@@ -144,14 +144,24 @@ def resolve_drafts(cfg: DictConfig) -> list[tuple[str, str]]:
         else:
             raise ConfigError(f"evaluate.drafts: {spec!r} does not exist; pass a model dir, a glob or a hub id")
         found += [(os.path.basename(p.rstrip("/")) or p, p) for p in paths]
-    out, seen, names = [], set(), set()
+    unique, seen = [], set()
     for name, path in found:
         key = os.path.realpath(path) if os.path.exists(path) else path
-        if key in seen:
-            continue
-        seen.add(key)
-        if name in names or name in ("target", "init", "prompt_lookup", "hf_assisted"):
-            name = f"{os.path.basename(os.path.dirname(path.rstrip('/')))}/{name}"
+        if key not in seen:
+            seen.add(key)
+            unique.append((name, path))
+    # A taken name grows by parent dirs until it tells the same-named drafts apart: S6/distill/best.
+    parts = [Path(path.rstrip("/")).parts for _, path in unique]
+    out, names = [], {"target", "init", "prompt_lookup", "hf_assisted"}
+    for i, (name, path) in enumerate(unique):
+        k = 1
+        while name in names and k < len(parts[i]):
+            k += 1
+            suffix = parts[i][-k:]
+            if all(p[-k:] != suffix for j, p in enumerate(parts) if j != i):
+                name = "/".join(suffix)
+        if name in names:  # nothing in the path tells it apart (a model id spelled "target")
+            name = f"{name}#{i + 1}"
         names.add(name)
         out.append((name, path))
     return out

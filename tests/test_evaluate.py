@@ -176,6 +176,17 @@ def test_resolve_drafts_names_globs_and_dedup(run_root):
     assert got[0][1] == str(d / "checkpoint-2")
 
 
+def test_resolve_drafts_gives_same_named_dirs_distinct_names(run_root, tmp_path):
+    """Other runs' distill/best dirs beside this run's best: every row keeps its own name."""
+    other = [tmp_path / run / "distill" / "best" for run in ("S6", "S8")]
+    for p in other:
+        p.mkdir(parents=True)
+    cfg = make_cfg(run_root, f"evaluate.drafts=[best,{other[0]},{other[1]}]")
+    got = evaluate.resolve_drafts(cfg)
+    assert [n for n, _ in got] == ["best", "S6/distill/best", "S8/distill/best"]
+    assert [p for _, p in got][1:] == [str(p) for p in other]
+
+
 @pytest.mark.parametrize("override,needle", [
     ("evaluate.drafts=['{root}/nothing-*']", "matches no directory"),
     ("evaluate.drafts=[{root}/no/such/dir]", "does not exist"),
