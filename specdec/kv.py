@@ -204,12 +204,13 @@ def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torc
     cos, sin = body.rotary_emb(h, position_ids)  # [B, q, D]
     cos, sin = cos[:, None], sin[:, None]
     past = cache.get_seq_length()
-    mask = None if q == 1 or past == 0 else torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)
+    mask = None
+    if cols is not None or (q > 1 and past > 0):
+        mask = torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)  # causal
     if cols is not None:  # [B, 1, q, past + q]: causal, without the masked columns, diagonal always kept
-        causal = torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)
-        diag = torch.zeros_like(causal)
+        diag = torch.zeros_like(mask)
         diag[:, past:] = torch.eye(q, dtype=torch.bool, device=h.device)
-        mask = ((cols[:, None, :] & causal) | diag)[:, None]
+        mask = ((cols[:, None, :] & mask) | diag)[:, None]
     for i, layer in enumerate(body.layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm(h)
