@@ -53,6 +53,7 @@ class DataConfig:
     id_column: Optional[str] = None  # default: "<source>-<row index>"
     system_prompt: Optional[str] = None
     limit: Optional[int] = None  # keep the first N after shuffling
+    skip: int = 0  # drop the first N after shuffling: the complement of a limit=N set (keeps held-out prompts out)
     shuffle: bool = False
     seed: int = 0
     # Plus up to N prompts the target writes itself (a user turn sampled from its chat template's

@@ -58,7 +58,8 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
     """The prompt set `cfg` describes: columns id, source, messages, category (see FEATURES).
 
     Deterministic: the same cfg on the same machine gives the same rows in the same order. The
-    system prompt, then shuffle (with `seed`) and `limit` are applied last.
+    system prompt, then shuffle (with `seed`), `skip` and `limit` are applied last, so `skip=N` with the
+    same shuffle and seed gives exactly the prompts a `limit=N` set leaves out.
     """
     loaders = {
         "stdlib": lambda cfg: list(_stdlib_rows()),
@@ -71,6 +72,8 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
         raise ConfigError(f"data.source={cfg.source!r} is unknown; set data.source to one of {sorted(loaders)}")
     if cfg.limit is not None and cfg.limit < 1:
         raise ConfigError(f"data.limit={cfg.limit} must be >= 1 (or null for every prompt)")
+    if cfg.skip < 0:
+        raise ConfigError(f"data.skip={cfg.skip} must be >= 0")
     rows = loaders[cfg.source](cfg)
     if cfg.system_prompt:
         rows = [{**r, "messages": _with_system(r["messages"], cfg.system_prompt)} for r in rows]
@@ -78,6 +81,9 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
         raise ConfigError(f"data.source={cfg.source} gave no prompts ({_where(cfg)}); point it at a non-empty set")
     if cfg.shuffle:
         rows = [rows[i] for i in random.Random(cfg.seed).sample(range(len(rows)), len(rows))]
+    if cfg.skip >= len(rows):
+        raise ConfigError(f"data.skip={cfg.skip} drops all {len(rows)} prompts of data.source={cfg.source}; lower it")
+    rows = rows[cfg.skip:]
     return datasets.Dataset.from_list(rows[: cfg.limit], features=FEATURES)
 
 

@@ -98,6 +98,8 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
     data = OmegaConf.to_container(cfg.data, resolve=True)
     data.pop("limit", None)  # a larger limit extends the same set
     data.pop("self_instruct", None)  # so does a larger self-instruct count
+    if not data.get("skip"):
+        data.pop("skip", None)  # the default: identities written before the field existed still match
     return {
         "model": {"target": m.target, "revision": m.revision,
                   "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")},

@@ -5,10 +5,13 @@
     .venv/bin/python scripts/bench_distill.py --init-only --shapes "[[0,29],[0,1,28,29],[0,1,2,3,4,5]]"
     .venv/bin/python scripts/bench_distill.py --data runs/default --minutes 10   # train on a run's records
     .venv/bin/python scripts/bench_distill.py --measure runs/default/distill/best   # α_TF of a trained draft
+    .venv/bin/python scripts/bench_distill.py --data runs/default --in-domain --minutes 15   # + in-domain prompts
 
 Generates (once, resumable, under --root) the target's answers: --train-records stdlib prompts with
 top-64 logits (the training set) and --eval-records HumanEval and MT-Bench prompts (held out, never
-trained on). Then it measures α_TF (teacher_forced_acceptance: mean Σ min(p, q) over the target's
+trained on). With --in-domain it also answers
+the HumanEval and MT-Bench prompts the held-out sets leave out (same shuffle, data.skip=--eval-records)
+and trains on the union of those and the training records. Then it measures α_TF (teacher_forced_acceptance: mean Σ min(p, q) over the target's
 response tokens) of the initial draft, trains with `python -m distill.train`'s run() for at most
 --minutes (train.time_budget_min; any distill override can follow), and measures α_TF of distill/best.
 Prints training tokens/s, peak memory (max RSS; GPU peak when on GPU), and a rough cost ratio
@@ -56,6 +59,18 @@ def ensure_generated(root: str, name: str, extra: list[str]) -> str:
     summary = generate.run(cfg_for("generate", base + extra))
     print(f"[data] {name}: {summary['records']} records, {summary['response_tokens']} response tokens", flush=True)
     return os.path.join(root, name)
+
+
+def union(root: str, name: str, parts: list[str]) -> str:
+    """A run dir whose generate/ links every shard of `parts` (run dirs): their records as one set."""
+    out = Path(root) / name / "generate"
+    out.mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        for shard in generate.shard_paths(Path(part) / "generate"):
+            link = out / f"shard-r{Path(part).name}-{shard.name.removeprefix('shard-r')}"
+            if not link.exists():
+                os.symlink(os.path.abspath(shard), link)
+    return str(out.parent)
 
 
 def references(root: str, target, tok, vocab: int, n_eval: int) -> dict:
@@ -114,6 +129,10 @@ def main() -> None:
     ap.add_argument("--no-generate", action="store_true", help="train on the records already generated (no top-up)")
     ap.add_argument("--measure", default=None, help="only measure α_TF of this draft dir on the held-out sets")
     ap.add_argument("--data", default=None, help="train on this run's generated records (with top-k logits) instead")
+    ap.add_argument("--in-domain", action="store_true",
+                    help="also train on the HumanEval / MT-Bench prompts the held-out sets leave out")
+    ap.add_argument("--in-domain-samples", type=int, default=1,
+                    help="answers per in-domain prompt: 1 = the greedy answer, N > 1 = N sampled at T = 1")
     ap.add_argument("--skip-before", action="store_true", help="do not measure the initial draft (saves minutes)")
     ap.add_argument("--shapes", default="[[0,29],[0,1,28,29],[0,10,20,29]]", help="draft_layers lists for --init-only")
     ap.add_argument("--draft-vocab", type=int, default=None,
@@ -128,6 +147,15 @@ def main() -> None:
     t_target = decode_step_s(target)
 
     data = args.data or os.path.join(args.root, "bench-data")
+    if args.in_domain:  # the complement of references()' held-out sets: same shuffle and seed, skip instead of limit
+        if not args.no_generate and not args.data:
+            ensure_generated(args.root, "bench-data", ["data=stdlib", f"data.limit={args.train_records}", "generate.store_topk=64"])
+        n = args.in_domain_samples
+        sampling = [] if n == 1 else [f"generate.num_samples={n}", "generate.temperature=1.0"]
+        extra = [ensure_generated(args.root, f"bench-train-{s}" + (f"-x{n}" if n > 1 else ""),
+                                  [f"data={s}", f"data.skip={args.eval_records}", "data.shuffle=true",
+                                   "generate.store_topk=64", *sampling]) for s in EVAL_SETS]
+        data = union(args.root, f"bench-union-{Path(data).name}" + (f"-x{n}" if n > 1 else ""), [data, *extra])
 
     def subset_of(n: int):
         if not n:

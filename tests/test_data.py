@@ -97,6 +97,15 @@ def test_limit_shuffle_seed_and_system_prompt():
     assert sys_ds["messages"][0][1] == base["messages"][0][0]
 
 
+def test_skip_gives_the_prompts_a_limit_leaves_out():
+    held = list(load_prompts(DataConfig(source="humaneval", shuffle=True, seed=0, limit=48))["id"])
+    rest = list(load_prompts(DataConfig(source="humaneval", shuffle=True, seed=0, skip=48))["id"])
+    everything = list(load_prompts(DataConfig(source="humaneval", shuffle=True, seed=0))["id"])
+    assert len(held) == 48 and len(rest) == 164 - 48
+    assert held + rest == everything and not set(held) & set(rest)
+    assert list(load_prompts(DataConfig(source="humaneval", shuffle=True, seed=0, skip=48, limit=5))["id"]) == rest[:5]
+
+
 def test_accepts_a_composed_hydra_config_for_every_preset(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "hello"}) + "\n")
@@ -192,6 +201,8 @@ def test_bad_inputs_name_the_fix(tmp_path, monkeypatch):
     empty = _write(tmp_path, ".json", [{"q": ""}, {"q": "   "}], stem="empty")
     assert "gave no prompts" in _error(DataConfig(source="file", path=empty, prompt_column="q"))
     assert "data.limit=0 must be >= 1" in _error(DataConfig(source="mt_bench", limit=0))
+    assert "data.skip=-1 must be >= 0" in _error(DataConfig(source="mt_bench", skip=-1))
+    assert "drops all 80 prompts" in _error(DataConfig(source="mt_bench", skip=80))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     assert "could not be read as jsonl" in _error(DataConfig(source="file", path=str(bad)))

@@ -205,6 +205,14 @@ def test_larger_limit_extends_the_same_set(tmp_path, prompts_file):
     assert len({r["id"] for r in records(tmp_path / "t")}) == len(PROMPTS) - 1
 
 
+def test_skip_is_part_of_the_identity_only_when_set(tmp_path, prompts_file):
+    tok = load_tokenizer("tiny")
+    plain = generate.identity(make_cfg(tmp_path, prompts_file), tok)
+    assert "skip" not in plain["data"]  # data made before data.skip existed keeps matching
+    skipped = generate.identity(make_cfg(tmp_path, prompts_file, "data.skip=2"), tok)
+    assert skipped["data"]["skip"] == 2 and skipped != plain
+
+
 # ---------------------------------------------------------------- two processes
 
 
