@@ -9,11 +9,11 @@
 
 Generates (once, resumable, under --root) the target's answers: --train-records stdlib prompts with
 top-64 logits (the training set) and --eval-records HumanEval and MT-Bench prompts (held out, never
-trained on). With --in-domain it also answers
-the HumanEval and MT-Bench prompts the held-out sets leave out (same shuffle, data.skip=--eval-records)
-and trains on the union of those and the training records. Then it measures α_TF (teacher_forced_acceptance: mean Σ min(p, q) over the target's
-response tokens) of the initial draft, trains with `python -m distill.train`'s run() for at most
---minutes (train.time_budget_min; any distill override can follow), and measures α_TF of distill/best.
+trained on). With --in-domain it also answers the HumanEval and MT-Bench prompts the held-out sets
+leave out (same shuffle, data.skip=--eval-records; --in-domain-samples N > 1: N answers sampled at
+T = 1 each) and trains on the union of those and the training records. Then it measures α_TF
+(teacher_forced_acceptance: mean Σ min(p, q) over the target's response tokens) of the initial
+draft, trains with `python -m distill.train`'s run() for at most --minutes (train.time_budget_min; any distill override can follow), and measures α_TF of distill/best.
 Prints training tokens/s, peak memory (max RSS; GPU peak when on GPU), and a rough cost ratio
 c = one draft decode step ÷ one target decode step (batch 1, KV cache; evaluate measures it properly).
 On a shared machine set OMP_NUM_THREADS to the cores you really have: oversubscribed OpenMP threads
@@ -132,13 +132,17 @@ def main() -> None:
     ap.add_argument("--in-domain", action="store_true",
                     help="also train on the HumanEval / MT-Bench prompts the held-out sets leave out")
     ap.add_argument("--in-domain-samples", type=int, default=1,
-                    help="answers per in-domain prompt: 1 = the greedy answer, N > 1 = N sampled at T = 1")
+                    help="answers per in-domain prompt: 1 = the greedy answer, N > 1 = N sampled at T = 1 "
+                         "(implies --in-domain)")
     ap.add_argument("--skip-before", action="store_true", help="do not measure the initial draft (saves minutes)")
     ap.add_argument("--shapes", default="[[0,29],[0,1,28,29],[0,10,20,29]]", help="draft_layers lists for --init-only")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="score q over the N tokens the training answers use most (default: the run's model.draft_vocab)")
     ap.add_argument("overrides", nargs="*", help="distill config overrides, e.g. train.lr=1e-3 loss=tvd")
     args = ap.parse_args()
+    if args.in_domain_samples < 1:
+        ap.error(f"--in-domain-samples={args.in_domain_samples} must be >= 1")
+    args.in_domain = args.in_domain or args.in_domain_samples > 1
 
     model_ov = [o for o in args.overrides if o.startswith("model")]
     target, tok = load_target(cfg_for("distill", model_ov).model)
