@@ -13,7 +13,8 @@ trained on). With --in-domain it also answers the HumanEval and MT-Bench prompts
 leave out (same shuffle, data.skip=--eval-records; --in-domain-samples N > 1: N answers sampled at
 T = 1 each) and trains on the union of those and the training records. Then it measures α_TF
 (teacher_forced_acceptance: mean Σ min(p, q) over the target's response tokens) of the initial
-draft, trains with `python -m distill.train`'s run() for at most --minutes (train.time_budget_min; any distill override can follow), and measures α_TF of distill/best.
+draft, trains with `python -m distill.train`'s run() for at most --minutes (train.time_budget_min;
+any distill override can follow), and measures α_TF of distill/best.
 Prints training tokens/s, peak memory (max RSS; GPU peak when on GPU), and a rough cost ratio
 c = one draft decode step ÷ one target decode step (batch 1, KV cache; evaluate measures it properly).
 On a shared machine set OMP_NUM_THREADS to the cores you really have: oversubscribed OpenMP threads
