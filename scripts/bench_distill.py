@@ -152,15 +152,16 @@ def main() -> None:
     t_target = decode_step_s(target)
 
     data = args.data or os.path.join(args.root, "bench-data")
+    trains = not (args.measure or args.init_only)
+    if (trains or args.in_domain) and not args.no_generate and not args.data:
+        ensure_generated(args.root, "bench-data", ["data=stdlib", f"data.limit={args.train_records}", "generate.store_topk=64"])
     if args.in_domain:  # the complement of references()' held-out sets: same shuffle and seed, skip instead of limit
-        if not args.no_generate and not args.data:
-            ensure_generated(args.root, "bench-data", ["data=stdlib", f"data.limit={args.train_records}", "generate.store_topk=64"])
         n = args.in_domain_samples
-        sampling = [] if n == 1 else [f"generate.num_samples={n}", "generate.temperature=1.0"]
-        extra = [ensure_generated(args.root, f"bench-train-{s}" + (f"-x{n}" if n > 1 else ""),
+        sampling, tag = ([], "") if n == 1 else ([f"generate.num_samples={n}", "generate.temperature=1.0"], f"-x{n}")
+        extra = [ensure_generated(args.root, f"bench-train-{s}{tag}",
                                   [f"data={s}", f"data.skip={args.eval_records}", "data.shuffle=true",
                                    "generate.store_topk=64", *sampling]) for s in EVAL_SETS]
-        data = union(args.root, f"bench-union-{Path(data).name}" + (f"-x{n}" if n > 1 else ""), [data, *extra])
+        data = union(args.root, f"bench-union-{Path(data).name}{tag}", [data, *extra])
 
     def subset_of(n: int):
         if not n:
@@ -183,8 +184,6 @@ def main() -> None:
             print(f"{str(shape):<28} {a['humaneval']:>15.3f} {a['mt_bench']:>14.3f} {decode_step_s(d) / t_target:>11.3f}", flush=True)
         return
 
-    if not args.no_generate and not args.data:
-        ensure_generated(args.root, "bench-data", ["data=stdlib", f"data.limit={args.train_records}", "generate.store_topk=64"])
     name = args.name or "train-" + "-".join(o.replace("=", "").replace("/", "") for o in args.overrides)[:80] or "train-default"
     run_path = Path(args.root) / name
     run_path.mkdir(parents=True, exist_ok=True)
