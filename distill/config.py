@@ -59,6 +59,9 @@ class DataConfig:
     # Plus up to N prompts the target writes itself (a user turn sampled from its chat template's
     # opening, kept when it ends): chat-like training data from no data at all. Made by generate.
     self_instruct: int = 0
+    # Plus the evaluation sets' own prompts that evaluation leaves out: every prompt of each eval_data
+    # source except the ones that set evaluates (so each set needs a limit: shuffle + limit=N holds N out).
+    in_domain: bool = False
 
 
 @dataclass
@@ -239,6 +242,11 @@ def validate(cfg: DictConfig | Config) -> None:
         "generate.num_samples > 1 needs sampling: set generate.temperature > 0 (greedy answers are identical)",
     )
     need(g.store_topk >= 0, "generate.store_topk must be >= 0 (0 = off)")
+    d = cfg.get("data")
+    if d is not None and d.get("in_domain"):
+        whole = [n for n, ed in cfg.get("eval_data", {}).items() if ed.get("limit") is None]
+        need(not whole, f"data.in_domain trains on the eval_data prompts that evaluation leaves out, but {whole} "
+             "evaluate every prompt; hold some out with eval_data.<name>.shuffle=true eval_data.<name>.limit=N")
     lo = cfg.loss
     need(0 <= lo.beta <= 1, f"loss.beta={lo.beta} must be in [0, 1]")
     need(lo.temperature > 0, f"loss.temperature={lo.temperature} must be > 0")

@@ -50,6 +50,7 @@ from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
 from distill.doctor import diagnose
+from distill.generate import record_ids
 from distill.models import (
     check_tokenizers,
     load_draft,
@@ -538,6 +539,19 @@ def run(cfg: DictConfig) -> dict:
             "rows": len(rows)}
 
 
+def trained_on(cfg: DictConfig, sets: list[EvalSet]) -> dict[str, int]:
+    """Per set, how many evaluated prompts the run's generated (training) records answer. Above 0 the
+    draft was trained on prompts it is measured on, and α overstates what it does on new ones."""
+    answered = {rid.split("#")[0] for rid in record_ids(run_dir(cfg))}
+    counts = {s.name: sum(p.id in answered for p in s.prompts) for s in sets}
+    for name, n in counts.items():
+        if n:
+            log.warning("eval_data.%s: the draft was trained on %d of the %d prompts evaluated here; hold them out "
+                        "(eval_data.%s.shuffle=true eval_data.%s.limit=N with data.in_domain, or another data.source)",
+                        name, n, len(next(s for s in sets if s.name == name).prompts), name, name)
+    return counts
+
+
 def build_report(cfg: DictConfig, rows: list[dict], sets: list[EvalSet], target) -> dict:
     e = cfg.evaluate
     param = next(target.parameters())
@@ -549,6 +563,8 @@ def build_report(cfg: DictConfig, rows: list[dict], sets: list[EvalSet], target)
                                        "categories": dict(Counter(p.category for p in s.prompts)),
                                        "source": OmegaConf.to_container(cfg.eval_data[s.name], resolve=True)}
                               for s in sets}}
+    for name, n in trained_on(cfg, sets).items():
+        settings["eval_sets"][name]["trained_on"] = n
     checked = [r["greedy_identical"] for r in rows if r.get("greedy_identical") is not None]
     return {"target": str(cfg.model.target), "run_name": cfg.run_name, "settings": settings,
             "definitions": report_mod.DEFINITIONS, "rows": rows, "greedy_identical": all(checked),

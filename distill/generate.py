@@ -98,6 +98,7 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
     data = OmegaConf.to_container(cfg.data, resolve=True)
     data.pop("limit", None)  # a larger limit extends the same set
     data.pop("self_instruct", None)  # so does a larger self-instruct count
+    data.pop("in_domain", None)  # and the evaluation sets' other prompts (the manifest records which)
     if not data.get("skip"):
         data.pop("skip", None)  # the default: identities written before the field existed still match
     return {
@@ -125,9 +126,17 @@ def rank_of(prompt_id: str, num_processes: int) -> int:
 def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, world: int = 1,
                 extra: Optional[list[dict]] = None) -> tuple[list[Item], dict]:
     """This rank's records, longest prompt first; and {prompts (in the whole set), skipped (ids), truncated}.
-    extra: more prompt rows (self-instruct) after data's own."""
+    extra: more prompt rows (self-instruct, in-domain) after data's own; a repeat of a row is dropped."""
     g = cfg.generate
-    prompts = list(load_prompts(cfg.data)) + list(extra or [])  # ConfigError for an unknown source or an empty set
+    prompts = list(load_prompts(cfg.data))  # ConfigError for an unknown source or an empty set
+    seen = {row["id"]: row["messages"] for row in prompts}
+    for row in extra or []:
+        if row["id"] in seen and seen[row["id"]] != row["messages"]:
+            raise ConfigError(f"two different prompts have the id {row['id']!r} (data and data.in_domain's eval_data "
+                              "set?); give one of them its own ids with data.id_column or eval_data.<name>.id_column")
+        if row["id"] not in seen:
+            seen[row["id"]] = row["messages"]
+            prompts.append(row)
     limit = prompt_token_limit(g.max_prompt_tokens, model_config, g.max_new_tokens)
     items: list[Item] = []
     skipped: list[str] = []
@@ -352,6 +361,18 @@ def load_generated(path: str | Path) -> datasets.Dataset:
     return datasets.Dataset(table)
 
 
+def data_key(path: str | Path) -> Optional[str]:
+    """A short hash of which records a run's generate/ holds (their ids), or None when it holds none:
+    the distill stage compares it to tell whether a draft was trained on these records."""
+    ids = sorted(record_ids(path))
+    return hashlib.sha1("\n".join(ids).encode()).hexdigest()[:16] if ids else None
+
+
+def record_ids(path: str | Path) -> set[str]:
+    """The ids of the records in a run's generate/ (empty when it has none)."""
+    return _done_ids(shard_paths(_gen_dir(path)))
+
+
 def _done_ids(files: list[Path]) -> set[str]:
     return {i for f in files for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
 
@@ -434,6 +455,26 @@ def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list
              "messages": system + [{"role": "user", "content": r["text"]}]} for r in kept]
 
 
+def in_domain_spec(cfg: DictConfig) -> Optional[dict]:
+    """What decides data.in_domain's rows (the eval_data sets), or None when it is off."""
+    return OmegaConf.to_container(cfg.eval_data, resolve=True) if cfg.data.get("in_domain") else None
+
+
+def in_domain_rows(cfg: DictConfig) -> list[dict]:
+    """data.in_domain prompt rows: every prompt of each eval_data source except those the set evaluates
+    (its shuffle, seed, skip and limit pick them), so training never sees an evaluated prompt."""
+    if not cfg.data.get("in_domain"):
+        return []
+    rows = []
+    for name, ecfg in cfg.eval_data.items():
+        held_out = {row["id"] for row in load_prompts(ecfg)}
+        every = load_prompts(OmegaConf.merge(ecfg, {"skip": 0, "limit": None}))
+        mine = [row for row in every if row["id"] not in held_out]
+        log.info("in-domain: %d eval_data.%s prompts trained on, %d held out", len(mine), name, len(held_out))
+        rows += mine
+    return rows
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -459,6 +500,7 @@ def run(cfg: DictConfig) -> dict:
         man = read_json(manifest_path)
         if (man.get("complete") and man.get("identity") == ident and man.get("data_limit") == cfg.data.limit
                 and man.get("data_self_instruct", 0) == cfg.data.self_instruct
+                and man.get("data_in_domain") == in_domain_spec(cfg)
                 and all((out / s).exists() for s in man.get("shards", []))):
             return man["summary"]
 
@@ -485,7 +527,8 @@ def run(cfg: DictConfig) -> dict:
     model_config = AutoConfig.from_pretrained(  # the context length, without loading weights
         resolve_model_path(cfg.model.target, cfg.model.cache_dir), revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code)
-    items, counts = build_items(cfg, tok, model_config, rank, world, self_instruct_rows(cfg, out, tok, state))
+    extra = self_instruct_rows(cfg, out, tok, state) + in_domain_rows(cfg)
+    items, counts = build_items(cfg, tok, model_config, rank, world, extra)
     done = _done_ids(shard_paths(out))
     todo = [it for it in items if it.id not in done]
     expected = [it.id for it in items]
@@ -550,7 +593,7 @@ def _write_manifest(cfg: DictConfig, out: Path, ident: dict, n_prompts: int, per
     atomic_write_json(out / "manifest.json", {
         "model": cfg.model.target, "tokenizer_fingerprint": ident["tokenizer_fingerprint"],
         "sampling": ident["sampling"], "complete": not missing, "identity": ident, "data_limit": cfg.data.limit,
-        "data_self_instruct": cfg.data.self_instruct,
+        "data_self_instruct": cfg.data.self_instruct, "data_in_domain": in_domain_spec(cfg),
         "num_processes": world, "backend": cfg.generate.backend, "summary": summary,
         "shards": [f.name for f in files], "skipped_ids": skipped, "missing_ids": sorted(missing), "ids_done": tot["ids"],
     })

@@ -181,6 +181,12 @@ def run(cfg: DictConfig) -> dict:
         ck.recover(out)
     acc.wait_for_everyone()
     summary = ck.read_summary(out)
+    from distill.generate import data_key
+
+    records_key = data_key(run_dir(cfg))
+    if t.resume == "auto" and ck.checkpoints(out) and summary and summary.get("data") != records_key:
+        raise ConfigError(f"{out} holds a draft trained on other records than {run_dir(cfg)}/generate holds now; "
+                          "set train.resume=never to train anew on these (it replaces that draft), or use another run_name")
     if t.resume == "auto" and _done(summary, cfg, out):
         log.info("distill: already done (step %s, best α_TF %.4f at step %s) -> %s", summary["step"],
                  summary["best_teacher_forced_acceptance"], summary["best_step"], out)
@@ -269,7 +275,7 @@ def run(cfg: DictConfig) -> dict:
             "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
             "best_dir": str(out / "best"), "train_tokens": state["train_tokens"], "elapsed_s": round(state["elapsed_s"], 2),
             "tokens_per_s": round(state["train_tokens"] / state["train_s"], 2) if state["train_s"] else None,
-            "holdout_records": len(holdout), "holdout_tail_mass": ref.tail_mass, "train_records": len(train_set),
+            "data": records_key, "holdout_records": len(holdout), "holdout_tail_mass": ref.tail_mass, "train_records": len(train_set),
             "settings": {"loss": OmegaConf.to_container(lc), "student": OmegaConf.to_container(cfg.student),
                          "train": OmegaConf.to_container(t), "draft_layers": list(cfg.model.draft_layers),
                          "draft_init": cfg.model.draft_init, "draft_vocab": subset.size if subset else 0, "world_size": world, "global_batch": G,

@@ -315,3 +315,18 @@ def test_draft_vocabulary_with_a_draft_that_cannot_use_it_stops_before_timing(ru
     monkeypatch.setattr(evaluate, "_timed", lambda *a, **k: pytest.fail("timed a draft it had to refuse"))
     with pytest.raises(ConfigError, match="set model.draft_vocab=0"):
         evaluate.run(make_cfg(run_root, "model.draft_vocab=50"))
+
+
+def test_trained_on_counts_evaluated_prompts_the_run_trained_on(tmp_path, caplog):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cfg = make_cfg(tmp_path)
+    sets = [evaluate.EvalSet("a", [evaluate.Prompt(i, "c", [1]) for i in ("a-1", "a-2", "a-3")], 0),
+            evaluate.EvalSet("b", [evaluate.Prompt("b-1", "c", [1])], 0)]
+    assert evaluate.trained_on(cfg, sets) == {"a": 0, "b": 0}  # no generated records at all
+    gen = tmp_path / "runs" / "r" / "generate"
+    gen.mkdir(parents=True)
+    pq.write_table(pa.table({"id": ["a-2#0", "a-2#1", "a-3", "x-9"]}), gen / "shard-r0-00000.parquet")
+    assert evaluate.trained_on(cfg, sets) == {"a": 2, "b": 0}  # samples "#k" count once, per prompt
+    assert "trained on 2 of the 3 prompts" in caplog.text

@@ -213,6 +213,46 @@ def test_skip_is_part_of_the_identity_only_when_set(tmp_path, prompts_file):
     assert skipped["data"]["skip"] == 2 and skipped != plain
 
 
+def _eval_file(tmp_path, texts: list[str], ids: list[str]) -> str:
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n" for t, i in zip(texts, ids)))
+    return str(path)
+
+
+def _in_domain(tmp_path, prompts_file, eval_file, *extra):
+    ev = ["source=file", f"path={eval_file}", "id_column=id", "shuffle=true", "limit=2"]  # one eval set, "ev"
+    return make_cfg(tmp_path, prompts_file, "data.in_domain=true", "~eval_data.humaneval",
+                    *(f"eval_data.mt_bench.{kv}" for kv in ev), *extra)
+
+
+def test_in_domain_trains_on_the_eval_prompts_evaluation_leaves_out(tmp_path, prompts_file):
+    eval_file = _eval_file(tmp_path, [f"Question number {i}?" for i in range(6)], [f"ev-{i}" for i in range(6)])
+    cfg = _in_domain(tmp_path, prompts_file, eval_file)
+    held_out = {r["id"] for r in generate.load_prompts(cfg.eval_data.mt_bench)}
+    summary = run(cfg)
+    ids = {r["id"] for r in records(tmp_path / "t")}
+    assert len(held_out) == 2 and not ids & held_out
+    assert {i for i in ids if i.startswith("file-ev-")} == {f"file-ev-{i}" for i in range(6)} - held_out
+    assert summary["records"] == len(PROMPTS) - 1 + 4 and summary["complete"]
+    tok = load_tokenizer("tiny")
+    assert generate.identity(cfg, tok) == generate.identity(make_cfg(tmp_path, prompts_file), tok)
+    manifest = json.loads((tmp_path / "t" / "generate" / "manifest.json").read_text())
+    assert manifest["data_in_domain"]["mt_bench"]["limit"] == 2
+    # another held-out split is another prompt set, not the finished one: the manifest is rewritten
+    run(_in_domain(tmp_path, prompts_file, eval_file, "eval_data.mt_bench.limit=3"))
+    manifest = json.loads((tmp_path / "t" / "generate" / "manifest.json").read_text())
+    assert manifest["data_in_domain"]["mt_bench"]["limit"] == 3
+
+
+def test_in_domain_bad_input_names_the_fix(tmp_path, prompts_file):
+    with pytest.raises(ConfigError, match="eval_data.<name>.limit"):
+        run(make_cfg(tmp_path, prompts_file, "data.in_domain=true"))  # the eval sets evaluate every prompt
+    # ids "file-0".."file-2", as data's own rows have, but other prompts: whichever is held out, two clash
+    clash = _eval_file(tmp_path, ["Not data's prompt 0", "Not data's prompt 1", "Not data's prompt 2"], ["0", "1", "2"])
+    with pytest.raises(ConfigError, match="id_column"):
+        run(_in_domain(tmp_path, prompts_file, clash, "eval_data.mt_bench.limit=1"))
+
+
 # ---------------------------------------------------------------- two processes
 
 

@@ -244,6 +244,20 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatc
     assert (out / "checkpoint-2" / "trainer_state" / "state.pt").exists() and not (out / "checkpoint-3").exists()
 
 
+def test_a_draft_of_other_records_is_not_resumed(gen, tmp_path):
+    cfg = setup_run(gen, tmp_path, "data", "train.max_steps=2")
+    first = train.run(cfg)
+    assert first["data"] == generate.data_key(tmp_path / "data")
+    shard = sorted((tmp_path / "data" / "generate").glob("*.parquet"))[-1]
+    t = pq.read_table(shard)
+    pq.write_table(t.slice(0, t.num_rows - 2), shard)  # the run's records change (here: two fewer)
+    with pytest.raises(ConfigError, match="train.resume=never"):
+        train.run(cfg)
+    again = train.run(make_cfg(tmp_path, "data", gen["prompts"], "train.max_steps=2", "train.resume=never"))
+    assert again["done"] and again["data"] == generate.data_key(tmp_path / "data") != first["data"]
+    assert train.run(cfg)["data"] == again["data"]  # and now resumes (done) as usual
+
+
 def test_bad_input(gen, tmp_path):
     with pytest.raises(ConfigError, match="distill.generate"):
         train.run(make_cfg(tmp_path, "empty", gen["prompts"]))
