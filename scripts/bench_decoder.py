@@ -14,9 +14,9 @@ to a draft vocabulary (--draft-vocab: the N tokens the target's generated answer
 Face prompt lookup (prompt_lookup_num_tokens=γ, max_matching_ngram_size=3), and a batch-N row
 (speculative throughput ÷ target-alone throughput, both at batch N).
 
-Protocol: prompts alternate MT-Bench / HumanEval; every method is warmed up on one prompt (untimed),
-then each repeat runs every method over all prompts in turn (interleaved, so drift on a shared
-machine hits all alike); wall times are the median over repeats. speedup = target-alone wall ÷
+Protocol: prompts alternate MT-Bench / HumanEval, taken from the held-out ones (--held-out); every
+method is warmed up on one prompt (untimed), then each repeat runs every method over all prompts in
+turn (interleaved, so drift on a shared machine hits all alike); wall times are the median over repeats. speedup = target-alone wall ÷
 method wall. c = draft step ÷ target step, the latter from the target-alone run. greedy_identical:
 every prompt's tokens equal the target-alone greedy tokens.
 """
@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "head cut to N tokens ('file': the draft dir's draft_vocab.json)")
     ap.add_argument("--vocab-from", default=None, help="run dir whose generated answers rank the tokens")
     ap.add_argument("--prompts", type=int, default=6, help="half MT-Bench, half HumanEval")
+    ap.add_argument("--held-out", type=int, default=48, help="prompts come from the first N of each set after a "
+                    "seed-0 shuffle: the prompts a main-job draft (data.in_domain) was not trained on")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
@@ -102,8 +104,13 @@ def draft_vocabs(args, vocab: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def bench_prompts(tok, n: int) -> list[list[int]]:
-    sets = [load_prompts(DataConfig(source=s, limit=(n + 1) // 2)) for s in ("mt_bench", "humaneval")]
+def bench_prompts(tok, n: int, held_out: int = 48) -> list[list[int]]:
+    """n prompts alternating MT-Bench / HumanEval, from each set's held-out prompts: the first `held_out`
+    after a seed-0 shuffle, which the main job (data.in_domain) and bench_distill.py never train on."""
+    if (n + 1) // 2 > held_out:
+        sys.exit(f"--prompts {n} needs {(n + 1) // 2} prompts per set, more than --held-out {held_out}")
+    sets = [load_prompts(DataConfig(source=s, shuffle=True, seed=0, limit=held_out))
+            for s in ("mt_bench", "humaneval")]
     ids = []
     for i in range(n):
         ds = sets[i % 2]
@@ -162,7 +169,7 @@ def main(argv=None) -> None:
     vocab = shared_vocab_size(tok, target, draft)
     eos = [tok.eos_token_id]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    prompts = bench_prompts(tok, args.prompts)
+    prompts = bench_prompts(tok, args.prompts, args.held_out)
     g = args.gamma
     spec = SpeculativeDecoder(target, ModelDrafter(draft), gamma=g, eos_token_id=eos, pad_token_id=pad,
                               vocab_size=vocab)
