@@ -544,11 +544,11 @@ def trained_on(cfg: DictConfig, sets: list[EvalSet]) -> dict[str, int]:
     draft was trained on prompts it is measured on, and α overstates what it does on new ones."""
     answered = {rid.split("#")[0] for rid in record_ids(run_dir(cfg))}
     counts = {s.name: sum(p.id in answered for p in s.prompts) for s in sets}
-    for name, n in counts.items():
-        if n:
+    for s in sets:
+        if counts[s.name]:
             log.warning("eval_data.%s: the draft was trained on %d of the %d prompts evaluated here; hold them out "
                         "(eval_data.%s.shuffle=true eval_data.%s.limit=N with data.in_domain, or another data.source)",
-                        name, n, len(next(s for s in sets if s.name == name).prompts), name, name)
+                        s.name, counts[s.name], len(s.prompts), s.name, s.name)
     return counts
 
 

@@ -370,11 +370,7 @@ def data_key(path: str | Path) -> Optional[str]:
 
 def record_ids(path: str | Path) -> set[str]:
     """The ids of the records in a run's generate/ (empty when it has none)."""
-    return _done_ids(shard_paths(_gen_dir(path)))
-
-
-def _done_ids(files: list[Path]) -> set[str]:
-    return {i for f in files for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
+    return {i for f in shard_paths(_gen_dir(path)) for i in pq.read_table(f, columns=["id"])["id"].to_pylist()}
 
 
 def _totals(files: list[Path]) -> dict:
@@ -529,7 +525,7 @@ def run(cfg: DictConfig) -> dict:
         trust_remote_code=cfg.model.trust_remote_code)
     extra = self_instruct_rows(cfg, out, tok, state) + in_domain_rows(cfg)
     items, counts = build_items(cfg, tok, model_config, rank, world, extra)
-    done = _done_ids(shard_paths(out))
+    done = record_ids(out)
     todo = [it for it in items if it.id not in done]
     expected = [it.id for it in items]
 

@@ -16,9 +16,9 @@ Face prompt lookup (prompt_lookup_num_tokens=γ, max_matching_ngram_size=3), and
 
 Protocol: prompts alternate MT-Bench / HumanEval, taken from the held-out ones (--held-out); every
 method is warmed up on one prompt (untimed), then each repeat runs every method over all prompts in
-turn (interleaved, so drift on a shared machine hits all alike); wall times are the median over repeats. speedup = target-alone wall ÷
-method wall. c = draft step ÷ target step, the latter from the target-alone run. greedy_identical:
-every prompt's tokens equal the target-alone greedy tokens.
+turn (interleaved, so drift on a shared machine hits all alike); wall times are the median over
+repeats. speedup = target-alone wall ÷ method wall. c = draft step ÷ target step, the latter from
+the target-alone run. greedy_identical: every prompt's tokens equal the target-alone greedy tokens.
 """
 from __future__ import annotations
 
