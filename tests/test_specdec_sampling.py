@@ -143,6 +143,16 @@ def test_sample_frequencies():
     freq = torch.bincount(draws, minlength=4).double() / 100_000
     assert freq[1] == 0
     assert torch.all((freq - probs).abs() < 0.01)
+    unnormalized = torch.tensor([2.0, 0.0, 6.0])  # a residual before normalizing: weights, not probabilities
+    freq = torch.bincount(sample(unnormalized.expand(100_000, -1), gen), minlength=3).double() / 100_000
+    assert freq[1] == 0 and abs(float(freq[2]) - 0.75) < 0.01
+
+
+def test_sample_edges_of_the_uniform_draw_never_pick_a_zero_probability_token(monkeypatch):
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0, 0.0]])
+    for fill, expect in ((0.0, 1), (1.0, 3)):  # u = 0, and u = the total (float rounding of rand() * total)
+        monkeypatch.setattr(torch, "rand", lambda shape, fill=fill, **kw: torch.full(shape, fill, dtype=kw["dtype"]))
+        assert sample(probs).tolist() == [expect]
 
 
 def test_logits_to_probs_matches_hf_warpers():
