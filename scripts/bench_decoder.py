@@ -5,6 +5,7 @@
     python scripts/bench_decoder.py --target runs/r/target --draft runs/r/distill/best --gamma 4
     python scripts/bench_decoder.py --draft-layers 0,1,28,29 --temperatures 0 --batch 0 --json out.json
     python scripts/bench_decoder.py --draft runs/default/distill/best --draft-vocab 8192,16384 --vocab-from runs/default
+    python scripts/bench_decoder.py --draft runs/default/distill/best --gamma 1 --ignore-eos   # equal work at T > 0
 
 Rows (batch 1 unless said): the target alone (specdec's KV-cached loop, the speedup baseline), the
 target alone through Hugging Face generate(), this decoder with the draft, Hugging Face assisted
@@ -18,7 +19,8 @@ row is done, so the batch rows also print occupancy: rows still decoding per tar
 Protocol: prompts alternate MT-Bench / HumanEval, taken from the held-out ones (--held-out); every
 method is warmed up on one prompt (untimed), then each repeat runs every method over all prompts in
 turn (interleaved, so drift on a shared machine hits all alike); wall times are the median over
-repeats. speedup = target-alone wall ÷ method wall. c = draft step ÷ target step, the latter from
+repeats. speedup = target-alone wall ÷ method wall (sampled outputs may stop at different lengths;
+--ignore-eos makes every method write exactly --max-new-tokens per prompt). c = draft step ÷ target step, the latter from
 the target-alone run. greedy_identical: every prompt's tokens equal the target-alone greedy tokens.
 """
 from __future__ import annotations
@@ -63,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
     ap.add_argument("--batch", type=int, default=8, help="batch size of the throughput row (0 = skip)")
+    ap.add_argument("--ignore-eos", action="store_true", help="every method writes exactly --max-new-tokens per "
+                    "prompt (no stop token), so wall times compare equal work even where sampled outputs differ")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -168,7 +172,7 @@ def main(argv=None) -> None:
     target, draft, tok, draft_name = load(args)
     device = next(target.parameters()).device
     vocab = shared_vocab_size(tok, target, draft)
-    eos = [tok.eos_token_id]
+    eos = [] if args.ignore_eos else [tok.eos_token_id]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompts = bench_prompts(tok, args.prompts, args.held_out)
     g = args.gamma
@@ -184,12 +188,13 @@ def main(argv=None) -> None:
               for name, ids in draft_vocabs(args, vocab).items()}
     counter = CallCounter(target)
     print(f"target {args.target} | draft {draft_name} | γ={g} | {len(prompts)} prompts × {args.max_new_tokens} "
-          f"tokens | {device} {target.dtype} | threads {torch.get_num_threads()} | repeats {args.repeats}")
+          f"tokens{' (EOS ignored)' if args.ignore_eos else ''} | {device} {target.dtype} | "
+          f"threads {torch.get_num_threads()} | repeats {args.repeats}")
 
     rows = []
     for temp in [float(t) for t in args.temperatures.split(",")]:
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temp, seed=args.seed)
-        hf_kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=temp > 0,
+        hf_kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad, do_sample=temp > 0,
                      temperature=temp if temp > 0 else None, top_k=0 if temp > 0 else None,
                      top_p=1.0 if temp > 0 else None)
 

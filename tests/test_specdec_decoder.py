@@ -412,6 +412,28 @@ def test_small_rows_kernel_choice_is_timed_once_per_shape(monkeypatch):
     assert calls == [((16, 8), 3), ((16, 8), 6)]
 
 
+@pytest.mark.parametrize("transposed_wins", [False, True])
+def test_kv_model_stops_wrapping_a_row_count_the_plain_kernel_serves(target, transposed_wins, monkeypatch):
+    from specdec import kv
+
+    monkeypatch.setattr(kv, "_CHOICE", {})
+    monkeypatch.setattr(kv, "_faster_transposed", lambda w, x: transposed_wins)
+    wrapped = []
+    real = kv._small_rows_linear_forward
+    monkeypatch.setattr(kv, "_small_rows_linear_forward", lambda self, x: wrapped.append(x.shape) or real(self, x))
+    m = kv.KVModel(target)
+    with torch.inference_mode():
+        m.prefill(torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.bool))
+        for i in range(3):  # 2-token steps: timed on the first, then plain only if nothing chose otherwise
+            before = len(wrapped)
+            m.step(torch.tensor([[9, 10]]), keep=2)
+            m.rollback(2, torch.zeros(1, dtype=torch.long), [0])
+            calls = len(wrapped) - before
+            assert calls > 0 if transposed_wins or i == 0 else calls == 0
+    assert (2 in m._plain_rows) is not transposed_wins
+    assert torch.nn.Linear.forward is kv._plain_linear_forward
+
+
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL prepacked GEMM needs an MKL build")
 def test_packed_kernel_equals_linear_and_repacks_an_updated_weight():
     from specdec import kv
@@ -568,6 +590,30 @@ def test_lean_forward_equals_the_models_forward(target):
         again = m.step(ids[:, 8:9])
     torch.testing.assert_close(torch.cat(got, dim=1), ref[:, 4:9], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again, ref[:, 8:9], rtol=1e-4, atol=1e-4)
+    assert all(kv._QKV[layer.self_attn][1] is not None for layer in target.model.layers)  # stacked q, k, v ran
+
+
+def test_stacked_qkv_follows_the_weights_and_biases():
+    from specdec import kv
+
+    attn = tiny_model(seed=3).model.layers[0].self_attn
+    x = torch.randn(2, 3, attn.q_proj.in_features)
+    with torch.inference_mode():
+        fused = kv._fused_qkv(attn)
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-6)
+        assert kv._fused_qkv(attn) is fused  # kept
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2.0)  # an in-place update: stacked again
+        for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+            p.bias = torch.nn.Parameter(torch.randn(p.out_features))
+    with torch.inference_mode():
+        fused = kv._fused_qkv(attn)
+        torch.testing.assert_close(fused(x), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1),
+                                   rtol=0, atol=1e-6)
+        attn.v_proj.bias = None  # mixed biases: no stacking
+        assert kv._fused_qkv(attn) is None
+    assert kv._fused_qkv(tiny_model(seed=3).model.layers[0].self_attn) is None  # autograd on: never stacked
 
 
 def test_lean_forward_is_refused_for_other_models(target, monkeypatch):
