@@ -20,8 +20,9 @@ Protocol: prompts alternate MT-Bench / HumanEval, taken from the held-out ones (
 method is warmed up on one prompt (untimed), then each repeat runs every method over all prompts in
 turn (interleaved, so drift on a shared machine hits all alike); wall times are the median over
 repeats. speedup = target-alone wall ÷ method wall (sampled outputs may stop at different lengths;
---ignore-eos makes every method write exactly --max-new-tokens per prompt). c = draft step ÷ target step, the latter from
-the target-alone run. greedy_identical: every prompt's tokens equal the target-alone greedy tokens.
+--ignore-eos makes every method write exactly --max-new-tokens per prompt). c = draft step ÷ target
+step, the latter from the target-alone run. greedy_identical: every prompt's tokens equal the
+target-alone greedy tokens.
 """
 from __future__ import annotations
 
@@ -194,8 +195,8 @@ def main(argv=None) -> None:
     rows = []
     for temp in [float(t) for t in args.temperatures.split(",")]:
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temp, seed=args.seed)
-        hf_kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad, do_sample=temp > 0,
-                     temperature=temp if temp > 0 else None, top_k=0 if temp > 0 else None,
+        hf_kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
+                     do_sample=temp > 0, temperature=temp if temp > 0 else None, top_k=0 if temp > 0 else None,
                      top_p=1.0 if temp > 0 else None)
 
         def hf(p, **extra):

@@ -209,8 +209,8 @@ _QKV: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDicti
 
 def _fused_qkv(attn: torch.nn.Module) -> torch.nn.Linear | None:
     """One Linear computing q_proj, k_proj and v_proj at once (their weights stacked), kept while the
-    attention module lives and rebuilt when a weight or bias changes; None off CPU, with autograd on (the copy
-    carries no gradient to the three weights) or if their biases are mixed."""
+    attention module lives and rebuilt when a weight or bias changes; None off CPU, with autograd on
+    (the copy carries no gradient to the three weights) or if their biases are mixed."""
     if attn.q_proj.weight.device.type != "cpu" or torch.is_grad_enabled():
         return None
     parts = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -219,7 +219,7 @@ def _fused_qkv(attn: torch.nn.Module) -> torch.nn.Linear | None:
     if hit is not None and hit[0] == key:
         return hit[1]
     biases = [p.bias for p in parts]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
+    if len({b is None for b in biases}) > 1:  # mixed
         fused = None
     else:
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors: packed kernels key on _version

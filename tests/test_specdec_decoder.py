@@ -598,20 +598,24 @@ def test_stacked_qkv_follows_the_weights_and_biases():
 
     attn = tiny_model(seed=3).model.layers[0].self_attn
     x = torch.randn(2, 3, attn.q_proj.in_features)
-    with torch.inference_mode():
-        fused = kv._fused_qkv(attn)
-        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-        torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-6)
-        assert kv._fused_qkv(attn) is fused  # kept
+    def check():
+        with torch.inference_mode():
+            fused = kv._fused_qkv(attn)
+            want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+            torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-6)
+            assert kv._fused_qkv(attn) is fused  # kept while nothing changes
+        return fused
+
+    first = check()
     with torch.no_grad():
-        attn.k_proj.weight.mul_(2.0)  # an in-place update: stacked again
-        for p in (attn.q_proj, attn.k_proj, attn.v_proj):
-            p.bias = torch.nn.Parameter(torch.randn(p.out_features))
+        attn.k_proj.weight.mul_(2.0)  # an in-place update (an optimizer step): stacked again
+    second = check()
+    assert second is not first
+    for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+        p.bias = torch.nn.Parameter(torch.randn(p.out_features))
+    assert check().bias is not None
+    attn.v_proj.bias = None  # mixed biases: no stacking
     with torch.inference_mode():
-        fused = kv._fused_qkv(attn)
-        torch.testing.assert_close(fused(x), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1),
-                                   rtol=0, atol=1e-6)
-        attn.v_proj.bias = None  # mixed biases: no stacking
         assert kv._fused_qkv(attn) is None
     assert kv._fused_qkv(tiny_model(seed=3).model.layers[0].self_attn) is None  # autograd on: never stacked
 
