@@ -348,7 +348,6 @@ class KVModel:
         self.device = model_device(model)
         # Multi-token steps (verify, the draft's catch-up) after the prompt: pick the faster small-rows kernel.
         self.small_rows = self.device.type == "cpu"
-        self._plain_rows: set[int] = set()  # row counts where they gain nothing (plain_kernels_suffice)
         self._cache_arg, self._keep_arg = _forward_kwargs(model)
         body = getattr(model, "base_model", None)
         self._body_cache_arg = _forward_kwargs(body)[0] if body is not None else self._cache_arg
@@ -371,15 +370,9 @@ class KVModel:
     def _cols(self) -> torch.Tensor | None:
         return self.mask[:, : self.length] if self.holes else None
 
-    @contextlib.contextmanager
-    def _kernels(self, tokens: torch.Tensor) -> Iterator[None]:
-        """small_rows_kernels for a multi-token CPU step, until they are found to gain nothing at its rows."""
-        rows = tokens.numel()
-        on = self.small_rows and tokens.shape[1] > 1 and rows not in self._plain_rows
-        with small_rows_kernels(on):
-            yield
-        if on and plain_kernels_suffice(rows):
-            self._plain_rows.add(rows)
+    def _kernels(self, tokens: torch.Tensor):
+        """small_rows_kernels for a multi-token CPU step, unless they are known to gain nothing at its rows."""
+        return small_rows_kernels(self.small_rows and tokens.shape[1] > 1 and not plain_kernels_suffice(tokens.numel()))
 
     def _forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
         self.calls += 1
