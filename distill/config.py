@@ -121,6 +121,9 @@ class TrainConfig:
     # (α_TF and best/ too); false trains the whole head
     draft_vocab: bool = True
     holdout: int = 16  # generated records held out for α_TF
+    # after training: fit one logit scale s (q = softmax(s·z)) that maximises α_TF on the holdout and write it
+    # into best/'s final norm (full student only; the target's distribution is untouched, decoding stays lossless)
+    calibrate: bool = True
     eval_every: int = 50
     save_every: int = 50
     keep_checkpoints: int = 3

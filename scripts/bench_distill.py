@@ -43,7 +43,7 @@ from distill import generate, train  # noqa: E402
 from distill.batches import holdout_reference, measure_alpha, to_examples  # noqa: E402
 from distill.generate import load_generated  # noqa: E402
 from distill.losses import VocabSubset  # noqa: E402
-from distill.models import draft_from_target, load_draft, load_model, load_target, shared_vocab_size  # noqa: E402
+from distill.models import LogitScale, draft_from_target, load_draft, load_model, load_target, shared_vocab_size  # noqa: E402
 from specdec.drafters import frequent_tokens  # noqa: E402
 
 CONF = str(ROOT / "conf")
@@ -202,18 +202,27 @@ def main() -> None:
     wall = time.perf_counter() - t0
     best = load_model(str(run_path / "distill" / "best"), device=str(target.device))
     after = alphas(best, refs, vocab, sub)
+    scale = summary.get("logit_scale", 1.0)
+    uncalibrated = after
+    if scale != 1.0:  # train.calibrate scaled best/'s logits: also score it without that scale
+        LogitScale(best).set(1.0 / scale)
+        uncalibrated = alphas(best, refs, vocab, sub)
     row = {
         "name": name, "data": data, "overrides": args.overrides, "draft_layers": list(cfg.model.draft_layers),
         "steps": summary["step"], "train_s": summary.get("elapsed_s"), "wall_s": round(wall, 1),
         "tokens_per_s": summary["tokens_per_s"], "train_tokens": summary["train_tokens"],
         "holdout_alpha_init": summary["init_teacher_forced_acceptance"],
         "holdout_alpha_best": summary["best_teacher_forced_acceptance"], "best_step": summary["best_step"],
-        "alpha_before": before, "alpha_after": after, "cost_ratio_estimate": round(c, 3),
+        "alpha_before": before, "alpha_after": after, "logit_scale": scale, "alpha_after_uncalibrated": uncalibrated,
+        "cost_ratio_estimate": round(c, 3),
         "peak_memory_gib": round(peak_memory_gib(), 2), "threads": torch.get_num_threads(), "draft_vocab": n_sub,
     }
     print(json.dumps(row))
     print(f"\n{'':<10} {'α_TF humaneval':>15} {'α_TF mt_bench':>14}")
     print(f"{'before':<10} {before['humaneval']:>15.3f} {before['mt_bench']:>14.3f}")
+    if scale != 1.0:
+        print(f"{'after, s=1':<10} {uncalibrated['humaneval']:>15.3f} {uncalibrated['mt_bench']:>14.3f}   "
+              f"(without the logit scale {scale:g} fitted on the training holdout)")
     print(f"{'after':<10} {after['humaneval']:>15.3f} {after['mt_bench']:>14.3f}   (goal ≥ 0.60 / ≥ 0.45)")
     print(f"training: {summary['step']} steps, {summary['train_tokens']} response tokens in {summary['elapsed_s']:.0f} s, "
           f"{summary['tokens_per_s']} tokens/s; peak memory {row['peak_memory_gib']} GiB; c ≈ {c:.3f}")

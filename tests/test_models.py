@@ -138,3 +138,20 @@ def test_conversion_crash_leaves_no_half_cache(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         convert_gguf(embedded_gguf_path("smollm2-135m-instruct"), tmp_path / "smollm2")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_logit_scale_multiplies_the_logits_exactly_or_says_it_cannot(tiny_cfg):
+    from distill.models import LogitScale
+
+    target, _ = load_target(tiny_cfg)
+    ids = torch.tensor([[3, 7, 11, 5]])
+    with torch.no_grad():
+        ref = target(input_ids=ids).logits
+        scale = LogitScale(target)
+        assert scale.ok
+        scale.set(1.3)
+        torch.testing.assert_close(target(input_ids=ids).logits, 1.3 * ref, rtol=1e-5, atol=1e-5)
+        scale.set(1.0)
+        torch.testing.assert_close(target(input_ids=ids).logits, ref, atol=0, rtol=0)
+        target.model.norm = torch.nn.Identity()  # no final norm to carry a scale
+        assert not LogitScale(target).ok

@@ -107,7 +107,7 @@ def test_loss_falls_and_full_student_saves_loadable_models(gen, tmp_path):
 
 def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "best", "train.max_steps=6", "train.eval_every=1", "train.save_every=1",
-                    "train.lr=3e-2", "loss=tvd")
+                    "train.lr=3e-2", "loss=tvd", "train.calibrate=false")
     s = train.run(cfg)
     evals = [(h["teacher_forced_acceptance"], -h["step"]) for h in s["history"] if h.get("teacher_forced_acceptance") is not None]
     alpha, neg_step = max(evals)
@@ -122,6 +122,45 @@ def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
     again = train.run(cfg)
     assert again["done"] and again["step"] == 6 and time.perf_counter() - t0 < 30
     assert (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_best_gets_the_logit_scale_with_the_highest_holdout_alpha(gen, tmp_path):
+    """train.calibrate: best/ is the best checkpoint with its logits scaled by the s of highest holdout α_TF."""
+    from distill.batches import split_holdout, teacher_forced_acceptance_on, to_examples
+    from distill.generate import load_generated
+    from distill.models import load_draft, load_model, load_target
+    from distill.train import LOGIT_SCALES
+
+    cfg = setup_run(gen, tmp_path, "cal", "train.max_steps=4", "train.eval_every=2", "train.save_every=2", "model.draft_vocab=0")
+    s = train.run(cfg)
+    out = tmp_path / "cal" / "distill"
+    info = json.loads((out / "best" / "best.json").read_text())
+    scores = {float(k): v for k, v in info["calibration"].items()}
+    assert sorted(scores) == sorted(LOGIT_SCALES) and info["logit_scale"] == max(scores, key=scores.get)
+    history = max(h["teacher_forced_acceptance"] for h in s["history"] if h.get("teacher_forced_acceptance") is not None)
+    assert scores[1.0] == pytest.approx(history, abs=1e-6) == s["uncalibrated_best_teacher_forced_acceptance"]
+    assert s["best_teacher_forced_acceptance"] == info["teacher_forced_acceptance"] == max(scores.values())
+    assert s["logit_scale"] == info["logit_scale"] and info["step"] == s["best_step"]
+    # best/ = that checkpoint (or the initial draft) with only its final norm scaled
+    best = weights(out / "best")
+    if s["best_step"]:
+        ckpt = weights(out / f"checkpoint-{s['best_step']}")
+    else:
+        ckpt = load_draft(cfg.model).state_dict()
+        ckpt.pop("lm_head.weight", None)  # tied to the embeddings: saved once
+    assert best.keys() == ckpt.keys()
+    for k in best:
+        want = ckpt[k] * info["logit_scale"] if k == "model.norm.weight" else ckpt[k]
+        torch.testing.assert_close(best[k], want, msg=k)
+    # its α_TF, measured anew on the holdout, is the calibrated one
+    target, _ = load_target(cfg.model)
+    _, held = split_holdout(to_examples(load_generated(tmp_path / "cal"), cfg.train.max_seq_len), cfg.train.holdout, cfg.seed)
+    got = teacher_forced_acceptance_on(target, load_model(str(out / "best")), held, target.config.vocab_size)
+    assert got == pytest.approx(info["teacher_forced_acceptance"], abs=1e-5)
+    # a rerun calls the run done and leaves best/ as it is
+    again = train.run(cfg)
+    assert again["logit_scale"] == info["logit_scale"] and weights(out / "best").keys() == best.keys()
+    torch.testing.assert_close(weights(out / "best")["model.norm.weight"], best["model.norm.weight"], atol=0, rtol=0)
 
 
 def test_resume_equals_uninterrupted(gen, tmp_path):
