@@ -113,6 +113,37 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return base.get_decoder(), base.get_output_embeddings()
 
 
+class LogitScale:
+    """Multiply a causal LM's logits by s through its final norm: the norm's affine output (weight, and
+    bias if any) is scaled, which scales the logits exactly when the LM head is linear and bias-free.
+    `ok` is False where the model has no such norm or the scaling is not exact (checked numerically,
+    e.g. Gemma's (1 + w) norm or logit soft-capping)."""
+
+    def __init__(self, model: torch.nn.Module):
+        norm = getattr(decoder_and_head(model)[0], "norm", None)
+        self.params = [p for p in (getattr(norm, "weight", None), getattr(norm, "bias", None)) if p is not None]
+        self.orig = [p.detach().clone() for p in self.params]
+        self.ok = bool(self.params) and self._exact(model)
+
+    @torch.no_grad()
+    def set(self, s: float) -> None:
+        """Logits become s × those of the model as it was when this object was made."""
+        for p, o in zip(self.params, self.orig):
+            p.copy_(o * s)
+
+    @torch.no_grad()
+    def _exact(self, model: torch.nn.Module) -> bool:
+        ids = torch.arange(1, 9, device=self.params[0].device).unsqueeze(0)
+        was_training = model.training
+        model.eval()
+        ref = model(input_ids=ids).logits.float()
+        self.set(2.0)
+        got = model(input_ids=ids).logits.float()
+        self.set(1.0)
+        model.train(was_training)
+        return bool(torch.allclose(got, 2 * ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max())))
+
+
 @dataclass
 class Reference:
     """The target's side of α_TF on fixed records: padded batches and top-K exact log-probs per position."""

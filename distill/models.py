@@ -229,38 +229,6 @@ def load_draft(cfg: ModelConfig, target: Optional[PreTrainedModel] = None, targe
     raise ConfigError(f"model.draft_init={cfg.draft_init!r}: use from_target, pretrained or config")
 
 
-class LogitScale:
-    """Multiply a causal LM's logits by s through its final norm: the norm's affine output (weight, and
-    bias if any) is scaled, which scales the logits exactly when the LM head is linear and bias-free.
-    `ok` is False where the model has no such norm or the scaling is not exact (checked numerically,
-    e.g. Gemma's (1 + w) norm or logit soft-capping)."""
-
-    def __init__(self, model: PreTrainedModel):
-        base = model.get_base_model() if hasattr(model, "peft_config") else model
-        norm = getattr(base.get_decoder(), "norm", None)
-        self.params = [p for p in (getattr(norm, "weight", None), getattr(norm, "bias", None)) if p is not None]
-        self.orig = [p.detach().clone() for p in self.params]
-        self.ok = bool(self.params) and self._exact(model)
-
-    @torch.no_grad()
-    def set(self, s: float) -> None:
-        """Logits become s × those of the model as it was when this object was made."""
-        for p, o in zip(self.params, self.orig):
-            p.copy_(o * s)
-
-    @torch.no_grad()
-    def _exact(self, model: PreTrainedModel) -> bool:
-        ids = torch.arange(1, 9, device=self.params[0].device).unsqueeze(0)
-        was_training = model.training
-        model.eval()
-        ref = model(input_ids=ids).logits.float()
-        self.set(2.0)
-        got = model(input_ids=ids).logits.float()
-        self.set(1.0)
-        model.train(was_training)
-        return bool(torch.allclose(got, 2 * ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max())))
-
-
 def tokenizer_fingerprint(tok) -> str:
     """A short hash of the vocab mapping and special tokens (recorded in manifests)."""
     h = hashlib.sha256()

@@ -39,10 +39,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from distill import checkpoint as ck
-from distill.batches import collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
+from distill.batches import LogitScale, collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
 from distill.config import ConfigError, run_dir
 from distill.losses import HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, gather_teacher
-from distill.models import LogitScale, load_draft, load_target, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
+from distill.models import load_draft, load_target, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
 from distill.utils import cli, read_json, start_stage
 
 log = logging.getLogger(__name__)

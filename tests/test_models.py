@@ -141,7 +141,7 @@ def test_conversion_crash_leaves_no_half_cache(tmp_path, monkeypatch):
 
 
 def test_logit_scale_multiplies_the_logits_exactly_or_says_it_cannot(tiny_cfg):
-    from distill.models import LogitScale
+    from distill.batches import LogitScale
 
     target, _ = load_target(tiny_cfg)
     ids = torch.tensor([[3, 7, 11, 5]])
