@@ -59,6 +59,10 @@ class DataConfig:
     # Plus up to N prompts the target writes itself (a user turn sampled from its chat template's
     # opening, kept when it ends): chat-like training data from no data at all. Made by generate.
     self_instruct: int = 0
+    # Show the target `self_instruct_shots` prompts of this eval_data set (only those it does not evaluate)
+    # as earlier user turns before it writes each prompt: prompts of that set's kind. null = no examples.
+    self_instruct_seeds: Optional[str] = None
+    self_instruct_shots: int = 3
     # Plus the evaluation sets' own prompts that evaluation leaves out: every prompt of each eval_data
     # source except the ones that set evaluates (so each set needs a limit: shuffle + limit=N holds N out).
     in_domain: bool = False
@@ -250,6 +254,17 @@ def validate(cfg: DictConfig | Config) -> None:
         whole = [n for n, ed in cfg.get("eval_data", {}).items() if ed.get("limit") is None]
         need(not whole, f"data.in_domain trains on the eval_data prompts that evaluation leaves out, but {whole} "
              "evaluate every prompt; hold some out with eval_data.<name>.shuffle=true eval_data.<name>.limit=N")
+    if d is not None:  # before any slow work (self-instruct sampling comes before the prompts are loaded)
+        need(d.get("limit") is None or d.limit >= 1, f"data.limit={d.get('limit')} must be >= 1 (or null for every prompt)")
+        need(d.get("skip", 0) >= 0, f"data.skip={d.get('skip')} must be >= 0")
+    seeds = d.get("self_instruct_seeds") if d is not None else None
+    if seeds:
+        sets = cfg.get("eval_data", {})
+        need(seeds in sets, f"data.self_instruct_seeds={seeds!r} is not an eval_data set; use one of {sorted(sets)}")
+        need(seeds not in sets or sets[seeds].get("limit") is not None,
+             f"data.self_instruct_seeds={seeds!r} shows the prompts eval_data.{seeds} leaves out, but it evaluates "
+             f"every prompt; hold some out with eval_data.{seeds}.shuffle=true eval_data.{seeds}.limit=N")
+        need(d.self_instruct_shots >= 1, f"data.self_instruct_shots={d.self_instruct_shots} must be >= 1")
     lo = cfg.loss
     need(0 <= lo.beta <= 1, f"loss.beta={lo.beta} must be in [0, 1]")
     need(lo.temperature > 0, f"loss.temperature={lo.temperature} must be > 0")

@@ -34,10 +34,11 @@ import hashlib
 import json
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import datasets
 import hydra
@@ -99,6 +100,9 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
     data.pop("limit", None)  # a larger limit extends the same set
     data.pop("self_instruct", None)  # so does a larger self-instruct count
     data.pop("in_domain", None)  # and the evaluation sets' other prompts (the manifest records which)
+    if not data.get("self_instruct_seeds"):  # the default: identities written before the fields existed still match
+        data.pop("self_instruct_seeds", None)
+        data.pop("self_instruct_shots", None)
     if not data.get("skip"):
         data.pop("skip", None)  # the default: identities written before the field existed still match
     return {
@@ -397,13 +401,20 @@ SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "max_ne
 _MARKER = "\u2063SELF-INSTRUCT\u2063"
 
 
-def user_turn_prefix(tok: Any, system_prompt: Optional[str] = None) -> list[int]:
-    """Token ids of the chat template up to where a user message's text begins."""
+def user_turn_prefix(tok: Any, system_prompt: Optional[str] = None, shown: Sequence[str] = ()) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins, after `shown` as
+    earlier user turns."""
     if not getattr(tok, "chat_template", None):
         raise ConfigError("data.self_instruct needs a tokenizer with a chat template (the target writes a user turn)")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": _MARKER}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        {"role": "user", "content": text} for text in (*shown, _MARKER)]
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception as e:  # e.g. a template that insists user and assistant turns alternate
+        if not shown:
+            raise
+        raise ConfigError(f"data.self_instruct_seeds: the chat template refuses {len(shown)} user turns in a row "
+                          f"({e}); set data.self_instruct_seeds=null") from e
     if _MARKER not in text:
         raise ConfigError("data.self_instruct: the chat template does not show the user's text verbatim")
     return tok(text[: text.index(_MARKER)], add_special_tokens=False)["input_ids"]
@@ -421,6 +432,20 @@ def keep_self_instruct(samples: list[dict], n: int) -> list[dict]:
     return keep
 
 
+def self_instruct_examples(cfg: DictConfig) -> dict[str, str]:
+    """{prompt id: user text} the target may be shown before it writes a prompt (data.self_instruct_seeds):
+    the prompts of that eval_data set that it does not evaluate; {} when off."""
+    name = cfg.data.get("self_instruct_seeds")
+    if not name:
+        return {}
+    pool = {row["id"]: [m["content"] for m in row["messages"] if m["role"] == "user"][-1]
+            for row in trainable_prompts(cfg.eval_data[name])}
+    if len(pool) < cfg.data.self_instruct_shots:
+        raise ConfigError(f"data.self_instruct_shots={cfg.data.self_instruct_shots} but eval_data.{name} leaves "
+                          f"only {len(pool)} prompts out of its evaluation; lower the shots or the eval limit")
+    return pool
+
+
 def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list[dict]:
     """data.self_instruct prompt rows, sampled once by the main process into out/self_instruct.jsonl
     (a larger count samples only the new ones); every process reads the same file."""
@@ -428,17 +453,32 @@ def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list
     if n == 0:
         return []
     path = out / SELF_INSTRUCT_FILE
+    pool = self_instruct_examples(cfg)
     if state.is_main_process:
         have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        # Each sample records the example prompts it was shown; other examples mean other settings.
+        def as_now(r: dict) -> bool:
+            if not pool:
+                return "shown" not in r
+            return len(r.get("shown", ())) == cfg.data.self_instruct_shots and set(r["shown"]) <= pool.keys()
+
+        stale = [r["id"] for r in have if not as_now(r)]
+        if stale and not cfg.generate.overwrite:
+            raise ConfigError(f"{path} holds prompts written after other examples than data.self_instruct_seeds="
+                              f"{cfg.data.get('self_instruct_seeds')} gives now ({stale[0]}, ...); set "
+                              "generate.overwrite=true to sample them again, or choose another run_name")
+        have = [] if stale else have
         if len(have) < n:
-            prefix = user_turn_prefix(tok, cfg.data.system_prompt)
             ids = [f"self_instruct-{i:05d}" for i in range(len(have), n)]
-            items = [Item(i, "self_instruct", "", "", prefix, row_seed(cfg.seed, i)) for i in ids]
+            shown = {i: random.Random(row_seed(cfg.seed, i)).sample(sorted(pool), cfg.data.self_instruct_shots)
+                     for i in ids} if pool else {i: [] for i in ids}
+            items = [Item(i, "self_instruct", "", "", user_turn_prefix(
+                tok, cfg.data.system_prompt, [pool[j] for j in shown[i]]), row_seed(cfg.seed, i)) for i in ids]
             model, _ = load_target(cfg.model)
             backend = HFBackend(OmegaConf.merge(cfg, {"generate": SELF_INSTRUCT_SAMPLING}), model, tok)
             for item, o in tqdm(backend.stream(items), total=len(items), desc="self-instruct prompts", unit="prompt"):
                 have.append({"id": item.id, "text": tok.decode(o.response_ids, skip_special_tokens=True),
-                             "finish_reason": o.finish_reason})
+                             "finish_reason": o.finish_reason, **({"shown": shown[item.id]} if pool else {})})
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(have, key=lambda r: r["id"])))
             os.replace(tmp, path)
@@ -456,17 +496,22 @@ def in_domain_spec(cfg: DictConfig) -> Optional[dict]:
     return OmegaConf.to_container(cfg.eval_data, resolve=True) if cfg.data.get("in_domain") else None
 
 
+def trainable_prompts(ecfg: DictConfig) -> list[dict]:
+    """An eval_data set's prompts that it does not evaluate (its shuffle, seed, skip and limit pick those)."""
+    held_out = {row["id"] for row in load_prompts(ecfg)}
+    every = load_prompts(OmegaConf.merge(ecfg, {"skip": 0, "limit": None}))
+    return [row for row in every if row["id"] not in held_out]
+
+
 def in_domain_rows(cfg: DictConfig) -> list[dict]:
-    """data.in_domain prompt rows: every prompt of each eval_data source except those the set evaluates
-    (its shuffle, seed, skip and limit pick them), so training never sees an evaluated prompt."""
+    """data.in_domain prompt rows: every prompt of each eval_data source except those the set evaluates,
+    so training never sees an evaluated prompt."""
     if not cfg.data.get("in_domain"):
         return []
     rows = []
     for name, ecfg in cfg.eval_data.items():
-        held_out = {row["id"] for row in load_prompts(ecfg)}
-        every = load_prompts(OmegaConf.merge(ecfg, {"skip": 0, "limit": None}))
-        mine = [row for row in every if row["id"] not in held_out]
-        log.info("in-domain: %d eval_data.%s prompts trained on, %d held out", len(mine), name, len(held_out))
+        mine = trainable_prompts(ecfg)
+        log.info("in-domain: %d eval_data.%s prompts trained on (the others are held out)", len(mine), name)
         rows += mine
     return rows
 

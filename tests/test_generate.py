@@ -253,6 +253,58 @@ def test_in_domain_bad_input_names_the_fix(tmp_path, prompts_file):
         run(_in_domain(tmp_path, prompts_file, clash, "eval_data.mt_bench.limit=1"))
 
 
+def test_self_instruct_seeds_show_only_prompts_the_eval_set_leaves_out(tmp_path, prompts_file, monkeypatch):
+    monkeypatch.setitem(generate.SELF_INSTRUCT_SAMPLING, "max_new_tokens", 6)
+    texts = [f"Question number {i}?" for i in range(6)]
+    eval_file = _eval_file(tmp_path, texts, [f"ev-{i}" for i in range(6)])
+    ev = ["source=file", f"path={eval_file}", "id_column=id", "shuffle=true", "limit=2"]
+    seeded = ["~eval_data.humaneval", *(f"eval_data.mt_bench.{kv}" for kv in ev), "data.self_instruct=4",
+              "data.self_instruct_seeds=mt_bench", "data.self_instruct_shots=2"]
+    cfg = make_cfg(tmp_path, prompts_file, *seeded)
+    held_out = {r["id"] for r in generate.load_prompts(cfg.eval_data.mt_bench)}
+    text_of = {f"file-ev-{i}": t for i, t in enumerate(texts)}
+    prompts = []
+    real = generate.HFBackend.stream
+    monkeypatch.setattr(generate.HFBackend, "stream",
+                        lambda self, items: prompts.extend(items) or real(self, items))
+    run(cfg)
+    tok = load_tokenizer("tiny")
+    out = tmp_path / "t" / "generate"
+    samples = [json.loads(line) for line in (out / generate.SELF_INSTRUCT_FILE).read_text().splitlines()]
+    asked = {it.id: tok.decode(it.prompt_ids) for it in prompts if it.id.startswith("self_instruct-")}
+    assert len(samples) == 4 and len(held_out) == 2
+    for s in samples:
+        assert len(s["shown"]) == 2 and not set(s["shown"]) & held_out, "never a prompt evaluation scores"
+        turns = "".join(f"<|im_start|>user\n{text_of[i]}<|im_end|>\n" for i in s["shown"])
+        assert asked[s["id"]] == turns + "<|im_start|>user\n"
+    assert len({tuple(s["shown"]) for s in samples}) > 1, "each prompt sees its own draw of examples"
+    ident = generate.identity(cfg, tok)
+    assert ident != generate.identity(make_cfg(tmp_path, prompts_file, *seeded[:-1], "data.self_instruct_shots=3"), tok)
+    assert generate.identity(make_cfg(tmp_path, prompts_file), tok) == generate.identity(
+        make_cfg(tmp_path, prompts_file, "data.self_instruct_shots=5"), tok), "unseeded: the shots do not matter"
+    # Prompts written after examples are not reused for a run without them (nor the other way round).
+    for f in [*generate.shard_paths(out), out / "manifest.json"]:
+        f.unlink()
+    unseeded = make_cfg(tmp_path, prompts_file, "data.self_instruct=4")
+    with pytest.raises(ConfigError, match="other examples"):
+        run(unseeded)
+    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=4", "generate.overwrite=true"))
+    assert all("shown" not in json.loads(line) for line in (out / generate.SELF_INSTRUCT_FILE).read_text().splitlines())
+
+
+def test_self_instruct_seeds_bad_input_names_the_fix(tmp_path, prompts_file, monkeypatch):
+    monkeypatch.setattr(generate, "load_target", lambda *a: pytest.fail("bad input is refused before any sampling"))
+    with pytest.raises(ConfigError, match="data.limit=0 must be >= 1"):
+        run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.limit=0"))
+    with pytest.raises(ConfigError, match="not an eval_data set"):
+        run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.self_instruct_seeds=nope"))
+    with pytest.raises(ConfigError, match="eval_data.mt_bench.limit=N"):
+        run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.self_instruct_seeds=mt_bench"))
+    with pytest.raises(ConfigError, match="only 78 prompts"):  # MT-Bench's 80 less the 2 it evaluates
+        run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.self_instruct_seeds=mt_bench",
+                     "eval_data.mt_bench.limit=2", "data.self_instruct_shots=79"))
+
+
 # ---------------------------------------------------------------- two processes
 
 
