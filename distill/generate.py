@@ -470,8 +470,8 @@ def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list
         have = [] if stale else have
         if len(have) < n:
             ids = [f"self_instruct-{i:05d}" for i in range(len(have), n)]
-            shown = {i: random.Random(row_seed(cfg.seed, i)).sample(sorted(pool), cfg.data.self_instruct_shots)
-                     for i in ids} if pool else {i: [] for i in ids}
+            k = cfg.data.self_instruct_shots
+            shown = {i: random.Random(row_seed(cfg.seed, i)).sample(sorted(pool), k) if pool else [] for i in ids}
             items = [Item(i, "self_instruct", "", "", user_turn_prefix(
                 tok, cfg.data.system_prompt, [pool[j] for j in shown[i]]), row_seed(cfg.seed, i)) for i in ids]
             model, _ = load_target(cfg.model)
