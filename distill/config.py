@@ -90,6 +90,10 @@ class LossConfig:
     beta: float = 0.5  # JSD mixture weight (0 -> forward KL limit, 1 -> reverse KL limit)
     temperature: float = 1.0  # softens both distributions before the divergence
     ce_weight: float = 0.0  # mix in cross-entropy on the target's tokens
+    # also train the draft as a language model on the prompt tokens (cross-entropy on each next prompt
+    # token, summed, times this weight, per response token); the prompt already runs forward and
+    # backward, so this adds only the head projection at prompt positions. Needs train.prompt_grad
+    prompt_ce_weight: float = 0.0
     chunk_size: int = 512  # response positions projected to the vocabulary at once
 
 
@@ -269,12 +273,16 @@ def validate(cfg: DictConfig | Config) -> None:
     need(0 <= lo.beta <= 1, f"loss.beta={lo.beta} must be in [0, 1]")
     need(lo.temperature > 0, f"loss.temperature={lo.temperature} must be > 0")
     need(lo.ce_weight >= 0, "loss.ce_weight must be >= 0")
+    need(lo.get("prompt_ce_weight", 0) >= 0, "loss.prompt_ce_weight must be >= 0")
     need(lo.chunk_size >= 1, "loss.chunk_size must be >= 1")
     need(cfg.get("gamma") is None or cfg.gamma >= 1, f"gamma={cfg.get('gamma')} must be >= 1 (or null: use evaluate.gammas)")
     t = cfg.train
     need(t.max_steps >= 1, "train.max_steps must be >= 1")
     need(t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be >= 1")
     need(t.lr > 0, "train.lr must be > 0")
+    need(not lo.get("prompt_ce_weight", 0) or t.prompt_grad or t.gradient_checkpointing,
+         "loss.prompt_ce_weight trains on the prompt tokens, which train.prompt_grad=false runs without autograd; "
+         "set train.prompt_grad=true or loss.prompt_ce_weight=0")
     need(0 <= t.on_policy_fraction <= 1, "train.on_policy_fraction (λ) must be in [0, 1]")
     need(t.eval_every >= 1 and t.save_every >= 1, "train.eval_every and train.save_every must be >= 1")
     need(

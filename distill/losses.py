@@ -318,6 +318,8 @@ def _chunk_values(
 ) -> torch.Tensor:
     """Per-position loss of one chunk: project h [C, H] with the draft head, compare. -> [C]"""
     q_logits = head(h)[:, :vocab]  # [C, V]
+    if teacher is None:  # language modelling on the labels alone
+        return ce_weight * cross_entropy_per_token(q_logits, labels)
     if isinstance(teacher, TopKTeacher):
         ids, logp = teacher.sparse(sl, temperature)
         values = sparse_divergence(name, logp, q_logits, ids, beta, temperature)
@@ -346,7 +348,7 @@ def chunked_distill_loss(
     hidden [B, T, H]: the draft's final hidden states (after its final norm); head: the draft's LM
     head ([*, H] -> [*, V_model]); positions [B, T] bool: positions whose next token is trained (the
     teacher's rows are these positions in row-major order, N = positions.sum()); labels [B, T] (the
-    next tokens) for the CE mix. Only the N counted positions are projected to the vocabulary, in chunks
+    next tokens) for the CE mix. teacher None: ce_weight × the cross-entropy on labels alone. Only the N counted positions are projected to the vocabulary, in chunks
     of chunk_size; with more than one chunk each is recomputed in backward (activation checkpointing), so
     at most one [chunk_size, V] block of logits is alive at a time. vocab_size drops padded rows.
 

@@ -80,6 +80,12 @@ class DraftLoss(torch.nn.Module):
         else:
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
         lc, vocab = self.lc, self.vocab
+        lm_weight = lc.get("prompt_ce_weight", 0.0)
+        if lm_weight:  # prompt position j predicts prompt token j + 1, up to the first response position
+            cols = torch.arange(input_ids.shape[1], device=input_ids.device)
+            first = positions.float().argmax(dim=1, keepdim=True)  # [B, 1]: the last prompt position
+            prompt_next = (cols < first) & attention_mask.bool()  # [B, T]
+            prompt_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
         if self.subset is not None:  # train q as it is decoded: a softmax over the draft vocabulary
             teacher, keep = self.subset.restrict(teacher)
             if keep is not None and not bool(keep.all()):  # rows whose teacher lies wholly outside it count 0
@@ -87,10 +93,17 @@ class DraftLoss(torch.nn.Module):
                 positions[positions.clone()] = keep
                 teacher = gather_teacher(teacher, keep)
             head, labels, vocab = self.subset.project(head), self.subset.labels(labels), self.subset.size + 1
-        return chunked_distill_loss(
+        total, n = chunked_distill_loss(
             hidden, head, positions, teacher, lc.name, lc.beta, lc.temperature,
             labels, lc.ce_weight, lc.chunk_size, vocab,
         )
+        if lm_weight and bool(prompt_next.any()):
+            if self.subset is not None:
+                prompt_labels = self.subset.labels(prompt_labels)
+            lm, _ = chunked_distill_loss(hidden, head, prompt_next, None, labels=prompt_labels, ce_weight=lm_weight,
+                                         chunk_size=lc.chunk_size, vocab_size=vocab)
+            total = total + lm
+        return total, n
 
 
 def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Module:

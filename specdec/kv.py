@@ -519,7 +519,26 @@ class KVModel:
         self.holes = self.holes or other.holes or La != Lb
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (finished rows leave the batch). rows [B'] long."""
-        self.cache.batch_select_indices(rows)
-        self.mask = self.mask[rows]
+        """Keep only these batch rows (finished rows leave the batch). rows [B'] long.
+
+        Leading columns that none of the kept rows attends to are dropped in the same copy, so with
+        continuous batching (absorb) the cache spans the oldest live row, not the batch's whole history:
+        otherwise every absorbed row is padded to that ever-growing length, and each selection and step
+        costs more the longer the stream runs.
+        """
+        mask = self.mask[rows]
+        layers = getattr(self.cache, "layers", None) or []
+        first = 0
+        if DynamicLayer is not None and layers and all(
+                isinstance(x, DynamicLayer) and not x.is_sliding and x.is_initialized for x in layers):
+            live = mask[:, : self.length].any(0)
+            first = int(live.long().argmax()) if bool(live.any()) else 0
+        if first:
+            for x in layers:
+                x.keys, x.values = x.keys[rows, :, first:], x.values[rows, :, first:]
+            self.length -= first
+        else:
+            self.cache.batch_select_indices(rows)
+        self.mask = mask[:, first:]
         self.pos = self.pos[rows]
+        self.holes = self.holes and not bool(self.mask[:, : self.length].all())

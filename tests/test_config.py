@@ -61,10 +61,12 @@ def test_smoke_is_small():
         ("train.teacher=topk", "generate.store_topk"),
         ("model.draft_init=pretrained", "model.draft="),
         ("generate.num_samples=4", "generate.temperature > 0"),
+        ("loss.prompt_ce_weight=-1", "loss.prompt_ce_weight must be >= 0"),
+        ("loss.prompt_ce_weight=0.5 train.prompt_grad=false", "set train.prompt_grad=true"),
     ],
 )
 def test_bad_values_name_the_fix(override, needle):
-    cfg = _compose("pipeline", [override])
+    cfg = _compose("pipeline", override.split())
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert needle in str(e.value)

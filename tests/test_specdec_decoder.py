@@ -651,6 +651,31 @@ def _kv_script(make, prompts, extra):
     return m, out
 
 
+def test_select_rows_drops_the_columns_no_kept_row_attends_to(target):
+    """A short row kept from a batch with a long one: the cache shrinks to the short row's own span and
+    its next logits equal the row decoded alone; absorbing a row afterwards pads only to that span."""
+    from specdec import kv
+    from specdec.decoder import left_pad
+
+    (short, long_), (extra,) = _prompts([2, 9], seed=10), _prompts([4], seed=11)
+    with torch.inference_mode():
+        m = kv.KVModel(target)
+        ids, mask = left_pad([short, long_], None, 0, m.device)
+        m.prefill(ids, mask)
+        m.step(torch.tensor([[20], [21]]))
+        assert m.length == 10
+        m.select_rows(torch.tensor([0]))
+        assert m.length == 3 and m.cache.get_seq_length() == 3 and bool(m.mask[:, :3].all()) and not m.holes
+        got = m.step(torch.tensor([[22]]))
+        alone = kv.KVModel(target)
+        alone.prefill(torch.tensor([short + [20]]), torch.ones(1, 3, dtype=torch.bool))
+        torch.testing.assert_close(got, alone.step(torch.tensor([[22]])), rtol=1e-5, atol=1e-5)
+        other = kv.KVModel(target)
+        other.prefill(torch.tensor([extra]), torch.ones(1, 4, dtype=torch.bool))
+        m.absorb(other)
+        assert m.length == 4  # max(4, 4): not the 11 columns the batch had before the long row left
+
+
 def test_lean_forward_with_masked_columns_and_growing_cache_equal_the_models_forward(target, monkeypatch):
     from transformers import DynamicCache
 

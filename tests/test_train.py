@@ -391,3 +391,38 @@ def test_schedule_decays_over_the_time_budget_when_it_ends_the_run_first():
     t = SimpleNamespace(warmup_steps=0, max_steps=10, time_budget_min=None, schedule="linear")
     f = _schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), t, lambda: 1e9).lr_lambdas[0]
     assert f(5) == pytest.approx(0.5)  # no budget: steps alone
+
+
+def test_prompt_ce_adds_the_drafts_language_model_loss_on_prompt_tokens():
+    """loss.prompt_ce_weight=w adds w × Σ −log q(next prompt token) over each row's prompt positions to
+    the distillation sum (checked against the draft's own logits), and the response count is unchanged."""
+    from omegaconf import OmegaConf
+
+    from distill.batches import Example, collate
+    from distill.losses import DenseTeacher, VocabSubset
+    from distill.tiny import tiny_model
+
+    torch.manual_seed(0)
+    draft = tiny_model(seed=1).eval()
+    exs = [Example("a", [1, 40, 41, 42, 43, 44], [50, 51, 52]), Example("b", [1, 60, 130, 61], [70, 71, 72, 73, 74])]
+    b = collate(exs, 0)
+    teacher = DenseTeacher(torch.randn(int(b["positions"].sum()), 259))
+    with torch.no_grad():
+        logits = draft(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.double()
+    for subset in (None, VocabSubset(torch.arange(3, 120), 259)):
+        def loss(w: float):
+            lc = OmegaConf.create({"name": "fkl", "beta": 0.5, "temperature": 1.0, "ce_weight": 0.0,
+                                   "chunk_size": 4, "prompt_ce_weight": w})
+            with torch.no_grad():
+                return train.DraftLoss(draft, lc, 259, subset=subset)(
+                    b["input_ids"], b["attention_mask"], b["positions"], b["labels"], teacher)
+
+        (base, n0), (mixed, n1) = loss(0.0), loss(0.5)
+        assert n0 == n1 == 8 and float(mixed) > float(base)
+        ref = 0.0  # with a subset: a softmax over its ids, and prompt tokens outside it are not trained
+        ids = list(range(259)) if subset is None else subset.ids.tolist()
+        for row, e in enumerate(exs):
+            for j in range(len(e.prompt_ids) - 1):
+                if e.prompt_ids[j + 1] in ids:
+                    ref -= torch.log_softmax(logits[row, j, ids], -1)[ids.index(e.prompt_ids[j + 1])].item()
+        assert float(mixed - base) == pytest.approx(0.5 * ref, rel=1e-4)
