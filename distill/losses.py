@@ -348,9 +348,10 @@ def chunked_distill_loss(
     hidden [B, T, H]: the draft's final hidden states (after its final norm); head: the draft's LM
     head ([*, H] -> [*, V_model]); positions [B, T] bool: positions whose next token is trained (the
     teacher's rows are these positions in row-major order, N = positions.sum()); labels [B, T] (the
-    next tokens) for the CE mix. teacher None: ce_weight × the cross-entropy on labels alone. Only the N counted positions are projected to the vocabulary, in chunks
-    of chunk_size; with more than one chunk each is recomputed in backward (activation checkpointing), so
-    at most one [chunk_size, V] block of logits is alive at a time. vocab_size drops padded rows.
+    next tokens) for the CE mix; teacher None: ce_weight × the cross-entropy on labels alone. Only the N
+    counted positions are projected to the vocabulary, in chunks of chunk_size; with more than one chunk
+    each is recomputed in backward (activation checkpointing), so at most one [chunk_size, V] block of
+    logits is alive at a time. vocab_size drops padded rows.
 
     Returns a sum (not a mean) so callers can normalise by the token count of a whole global batch.
     """

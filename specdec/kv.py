@@ -80,6 +80,13 @@ if DynamicLayer is not None:
             return self.keys, self.values
 
 
+def _full_attention_layers(cache: DynamicCache) -> list:
+    """The cache's layers if each is a full-attention DynamicLayer (transformers 5.x), else []."""
+    layers = list(getattr(cache, "layers", None) or [])
+    ok = DynamicLayer is not None and all(isinstance(x, DynamicLayer) and not x.is_sliding for x in layers)
+    return layers if ok else []
+
+
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     try:
         cache = DynamicCache(config=model.config)  # 5.x: layer types (sliding window, ...) from the config
@@ -497,8 +504,8 @@ class KVModel:
         while its rows decode (continuous batching). Needs full-attention layer caches (transformers
         5.x DynamicLayer); raises NotImplementedError for other cache kinds.
         """
-        layers_a, layers_b = getattr(self.cache, "layers", None), getattr(other.cache, "layers", None)
-        if not layers_a or not layers_b or any(not isinstance(x, DynamicLayer) or x.is_sliding for x in layers_a + layers_b):
+        layers_a, layers_b = _full_attention_layers(self.cache), _full_attention_layers(other.cache)
+        if not layers_a or not layers_b:
             raise NotImplementedError("absorb needs transformers 5.x full-attention (DynamicLayer) caches")
         La, Lb = self.length, other.length
         L = max(La, Lb)
@@ -527,10 +534,9 @@ class KVModel:
         costs more the longer the stream runs.
         """
         mask = self.mask[rows]
-        layers = getattr(self.cache, "layers", None) or []
+        layers = _full_attention_layers(self.cache)
         first = 0
-        if DynamicLayer is not None and layers and all(
-                isinstance(x, DynamicLayer) and not x.is_sliding and x.is_initialized for x in layers):
+        if layers and all(x.is_initialized for x in layers):
             live = mask[:, : self.length].any(0)
             first = int(live.long().argmax()) if bool(live.any()) else 0
         if first:
