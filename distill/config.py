@@ -138,7 +138,8 @@ class TrainConfig:
     resume: str = "auto"  # auto | never
     gradient_checkpointing: bool = False
     # false: the prompt prefix runs without autograd (as a KV cache); same loss, cheaper backward, the
-    # gradient through prompt activations is dropped (ignored with gradient_checkpointing)
+    # gradient through prompt activations is dropped (ignored with gradient_checkpointing). On the default
+    # draft it made 10% more steps in 20 min and ended lower (α_TF 0.491 / 0.321 vs 0.519 / 0.331, README)
     prompt_grad: bool = True
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no on CPU
 
