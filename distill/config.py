@@ -101,6 +101,7 @@ class LossConfig:
 class StudentConfig:
     kind: str = "full"  # full | lora
     freeze_embeddings: bool = True  # embeddings/LM head shared with the target stay fixed
+    freeze_layers: int = 0  # the draft's first N decoder layers keep the target's weights (no backward through them)
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0

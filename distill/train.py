@@ -120,9 +120,17 @@ def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Modul
         draft = get_peft_model(draft, LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
                                                  target_modules=list(s.lora_target_modules)))
         draft.peft_config["default"].base_model_name_or_path = str((out / "init").resolve())
-    elif s.freeze_embeddings:
-        for emb in (draft.get_input_embeddings(), draft.get_output_embeddings()):
-            emb.weight.requires_grad_(False)
+    else:
+        if s.freeze_embeddings:
+            for emb in (draft.get_input_embeddings(), draft.get_output_embeddings()):
+                emb.weight.requires_grad_(False)
+        if s.freeze_layers:
+            layers = draft.get_decoder().layers
+            if not 0 < s.freeze_layers < len(layers):
+                raise ConfigError(f"student.freeze_layers={s.freeze_layers} must leave at least one of the draft's "
+                                  f"{len(layers)} layers to train; choose 0..{len(layers) - 1}")
+            for layer in layers[:s.freeze_layers]:
+                layer.requires_grad_(False)
     if cfg.train.gradient_checkpointing:
         base = draft.get_base_model() if ck.is_peft(draft) else draft
         kw = {"use_reentrant": False}

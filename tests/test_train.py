@@ -103,6 +103,13 @@ def test_loss_falls_and_full_student_saves_loadable_models(gen, tmp_path):
     target = weights(Path(os.environ.get("SPECDISTILL_CACHE", Path.home() / ".cache" / "specdistill")) / "tiny")
     best = weights(tmp_path / "frozen" / "distill" / "checkpoint-2")
     torch.testing.assert_close(best["model.embed_tokens.weight"], target["model.embed_tokens.weight"], atol=0, rtol=0)
+    # frozen first layers stay the target's; the layers after them train
+    cfg3 = setup_run(gen, tmp_path, "frozen1", "train.max_steps=2", "model.draft_layers=[0,1]", "student.freeze_layers=1")
+    train.run(cfg3)
+    ck = weights(tmp_path / "frozen1" / "distill" / "checkpoint-2")
+    for k in (k for k in target if k.startswith("model.layers.")):
+        same = torch.equal(ck[k], target[k])
+        assert same if k.startswith("model.layers.0.") else not same, k
 
 
 def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
@@ -315,6 +322,8 @@ def test_bad_input(gen, tmp_path):
         pq.write_table(t.drop(["topk_ids", "topk_logits"]).replace_schema_metadata(t.schema.metadata), f)
     with pytest.raises(ConfigError, match="no top-k logits"):
         train.run(cfg)
+    with pytest.raises(ConfigError, match="freeze_layers=1 must leave"):
+        train.run(setup_run(gen, tmp_path, "frz", "student.freeze_layers=1"))
     with pytest.raises(ConfigError, match="holdout"):
         train.run(setup_run(gen, tmp_path, "held", "train.holdout=100"))
     # the CLI: one line on stderr, exit code 2
