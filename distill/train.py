@@ -107,7 +107,7 @@ class DraftLoss(torch.nn.Module):
 
 
 def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Module:
-    """student=full (optionally freezing embeddings + LM head) or student=lora (peft adapter)."""
+    """student=full (optionally freezing embeddings + LM head and the first layers) or student=lora (peft adapter)."""
     s = cfg.student
     if s.kind == "lora":
         from peft import LoraConfig, get_peft_model
