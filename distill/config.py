@@ -59,6 +59,9 @@ class DataConfig:
     # Plus up to N prompts the target writes itself (a user turn sampled from its chat template's
     # opening, kept when it ends): chat-like training data from no data at all. Made by generate.
     self_instruct: int = 0
+    # The most tokens a written prompt may take; a prompt still unfinished there is dropped. 96 fits a chat
+    # question; HumanEval-style function stubs need ~256.
+    self_instruct_max_tokens: int = 96
     # Show the target `self_instruct_shots` prompts of this eval_data set (only those it does not evaluate)
     # as earlier user turns before it writes each prompt: prompts of that set's kind. null = no examples.
     self_instruct_seeds: Optional[str] = None
@@ -242,6 +245,8 @@ def validate(cfg: DictConfig | Config) -> None:
     unknown = [s for s in cfg.stages if s not in STAGES]
     need(not unknown, f"stages has unknown {unknown}; choose from {list(STAGES)}")
     need(cfg.data.self_instruct >= 0, f"data.self_instruct={cfg.data.self_instruct} must be >= 0 (0 = off)")
+    need(cfg.data.get("self_instruct_max_tokens", 96) >= 1,
+         f"data.self_instruct_max_tokens={cfg.data.get('self_instruct_max_tokens')} must be >= 1")
     need(cfg.model.draft_vocab >= 0, f"model.draft_vocab={cfg.model.draft_vocab} must be >= 0 (0 = whole vocabulary)")
     g = cfg.generate
     need(g.temperature >= 0, f"generate.temperature={g.temperature} must be >= 0 (0 = greedy)")

@@ -103,6 +103,8 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
     if not data.get("self_instruct_seeds"):  # the default: identities written before the fields existed still match
         data.pop("self_instruct_seeds", None)
         data.pop("self_instruct_shots", None)
+    if data.get("self_instruct_max_tokens", SELF_INSTRUCT_MAX_TOKENS) == SELF_INSTRUCT_MAX_TOKENS:
+        data.pop("self_instruct_max_tokens", None)  # the default: identities written before the field still match
     if not data.get("skip"):
         data.pop("skip", None)  # the default: identities written before the field existed still match
     return {
@@ -395,9 +397,10 @@ def _totals(files: list[Path]) -> dict:
 # ---------------------------------------------------------------- self-instruct prompts
 
 SELF_INSTRUCT_FILE = "self_instruct.jsonl"
-# How the target writes its own prompts: sampled (diverse but mostly coherent at 0.8 / 0.95), short.
-SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "max_new_tokens": 96, "num_samples": 1,
-                          "store_topk": 0}
+# How the target writes its own prompts: sampled (diverse but mostly coherent at 0.8 / 0.95); the length
+# limit is data.self_instruct_max_tokens.
+SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "num_samples": 1, "store_topk": 0}
+SELF_INSTRUCT_MAX_TOKENS = 96  # the default, which samples written before the field existed were made with
 _MARKER = "\u2063SELF-INSTRUCT\u2063"
 
 
@@ -454,10 +457,13 @@ def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list
         return []
     path = out / SELF_INSTRUCT_FILE
     pool = self_instruct_examples(cfg)
+    limit = int(cfg.data.get("self_instruct_max_tokens", SELF_INSTRUCT_MAX_TOKENS))
     if state.is_main_process:
         have = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        # Each sample records the example prompts it was shown; other examples mean other settings.
+        # Each sample records the example prompts it was shown and its length limit; others mean other settings.
         def as_now(r: dict) -> bool:
+            if r.get("max_new_tokens", SELF_INSTRUCT_MAX_TOKENS) != limit:
+                return False
             if not pool:
                 return "shown" not in r
             return len(r.get("shown", ())) == cfg.data.self_instruct_shots and set(r["shown"]) <= pool.keys()
@@ -465,7 +471,8 @@ def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list
         stale = [r["id"] for r in have if not as_now(r)]
         if stale and not cfg.generate.overwrite:
             raise ConfigError(f"{path} holds prompts written after other examples than data.self_instruct_seeds="
-                              f"{cfg.data.get('self_instruct_seeds')} gives now ({stale[0]}, ...); set "
+                              f"{cfg.data.get('self_instruct_seeds')} gives now, or with another "
+                              f"data.self_instruct_max_tokens than {limit} ({stale[0]}, ...); set "
                               "generate.overwrite=true to sample them again, or choose another run_name")
         have = [] if stale else have
         if len(have) < n:
@@ -475,10 +482,12 @@ def self_instruct_rows(cfg: DictConfig, out: Path, tok: Any, state: Any) -> list
             items = [Item(i, "self_instruct", "", "", user_turn_prefix(
                 tok, cfg.data.system_prompt, [pool[j] for j in shown[i]]), row_seed(cfg.seed, i)) for i in ids]
             model, _ = load_target(cfg.model)
-            backend = HFBackend(OmegaConf.merge(cfg, {"generate": SELF_INSTRUCT_SAMPLING}), model, tok)
+            sampling = {**SELF_INSTRUCT_SAMPLING, "max_new_tokens": limit}
+            backend = HFBackend(OmegaConf.merge(cfg, {"generate": sampling}), model, tok)
             for item, o in tqdm(backend.stream(items), total=len(items), desc="self-instruct prompts", unit="prompt"):
                 have.append({"id": item.id, "text": tok.decode(o.response_ids, skip_special_tokens=True),
-                             "finish_reason": o.finish_reason, **({"shown": shown[item.id]} if pool else {})})
+                             "finish_reason": o.finish_reason, "max_new_tokens": limit,
+                             **({"shown": shown[item.id]} if pool else {})})
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(have, key=lambda r: r["id"])))
             os.replace(tmp, path)

@@ -254,12 +254,11 @@ def test_in_domain_bad_input_names_the_fix(tmp_path, prompts_file):
 
 
 def test_self_instruct_seeds_show_only_prompts_the_eval_set_leaves_out(tmp_path, prompts_file, monkeypatch):
-    monkeypatch.setitem(generate.SELF_INSTRUCT_SAMPLING, "max_new_tokens", 6)
     texts = [f"Question number {i}?" for i in range(6)]
     eval_file = _eval_file(tmp_path, texts, [f"ev-{i}" for i in range(6)])
     ev = ["source=file", f"path={eval_file}", "id_column=id", "shuffle=true", "limit=2"]
     seeded = ["~eval_data.humaneval", *(f"eval_data.mt_bench.{kv}" for kv in ev), "data.self_instruct=4",
-              "data.self_instruct_seeds=mt_bench", "data.self_instruct_shots=2"]
+              "data.self_instruct_max_tokens=6", "data.self_instruct_seeds=mt_bench", "data.self_instruct_shots=2"]
     cfg = make_cfg(tmp_path, prompts_file, *seeded)
     held_out = {r["id"] for r in generate.load_prompts(cfg.eval_data.mt_bench)}
     text_of = {f"file-ev-{i}": t for i, t in enumerate(texts)}
@@ -285,10 +284,11 @@ def test_self_instruct_seeds_show_only_prompts_the_eval_set_leaves_out(tmp_path,
     # Prompts written after examples are not reused for a run without them (nor the other way round).
     for f in [*generate.shard_paths(out), out / "manifest.json"]:
         f.unlink()
-    unseeded = make_cfg(tmp_path, prompts_file, "data.self_instruct=4")
+    unseeded = make_cfg(tmp_path, prompts_file, "data.self_instruct=4", "data.self_instruct_max_tokens=6")
     with pytest.raises(ConfigError, match="other examples"):
         run(unseeded)
-    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=4", "generate.overwrite=true"))
+    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=4", "data.self_instruct_max_tokens=6",
+                 "generate.overwrite=true"))
     assert all("shown" not in json.loads(line) for line in (out / generate.SELF_INSTRUCT_FILE).read_text().splitlines())
 
 
@@ -296,6 +296,8 @@ def test_self_instruct_seeds_bad_input_names_the_fix(tmp_path, prompts_file, mon
     monkeypatch.setattr(generate, "load_target", lambda *a: pytest.fail("bad input is refused before any sampling"))
     with pytest.raises(ConfigError, match="data.limit=0 must be >= 1"):
         run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.limit=0"))
+    with pytest.raises(ConfigError, match="data.self_instruct_max_tokens=0 must be >= 1"):
+        run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.self_instruct_max_tokens=0"))
     with pytest.raises(ConfigError, match="not an eval_data set"):
         run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "data.self_instruct_seeds=nope"))
     with pytest.raises(ConfigError, match="eval_data.mt_bench.limit=N"):
@@ -406,11 +408,23 @@ def test_self_instruct_prompts_are_sampled_once_and_answered(tmp_path, prompts_f
     # A random tiny model seldom ends a turn, so every non-empty sample counts as a prompt here.
     monkeypatch.setattr(generate, "keep_self_instruct",
                         lambda samples, n: [r for r in sorted(samples, key=lambda r: r["id"])[:n] if r["text"].strip()])
-    monkeypatch.setitem(generate.SELF_INSTRUCT_SAMPLING, "max_new_tokens", 10)
-    summary = run(make_cfg(tmp_path, prompts_file, "data.self_instruct=3"))
+    short = "data.self_instruct_max_tokens=10"
+    written = {}  # self-instruct prompt id -> its length in tokens, as sampled
+    real = generate.HFBackend.stream
+
+    def stream(self, items):
+        for item, o in real(self, items):
+            if item.source == "self_instruct" and not item.prompt:  # a prompt being written, not answered
+                written[item.id] = len(o.response_ids)
+            yield item, o
+    monkeypatch.setattr(generate.HFBackend, "stream", stream)
+    summary = run(make_cfg(tmp_path, prompts_file, "data.self_instruct=3", short))
+    monkeypatch.setattr(generate.HFBackend, "stream", real)
     path = tmp_path / "t" / "generate" / generate.SELF_INSTRUCT_FILE
     samples = [json.loads(line) for line in path.read_text().splitlines()]
     assert [s["id"] for s in samples] == [f"self_instruct-{i:05d}" for i in range(3)]
+    assert all(s["max_new_tokens"] == 10 for s in samples), "the length limit is recorded"
+    assert len(written) == 3 and max(written.values()) == 10, "and applied (a random tiny model runs to it)"
     recs = {r["id"]: r for r in records(tmp_path / "t")}
     for s in samples:
         if s["text"].strip():
@@ -419,12 +433,25 @@ def test_self_instruct_prompts_are_sampled_once_and_answered(tmp_path, prompts_f
     assert summary["prompts"] == len(PROMPTS) + sum(bool(s["text"].strip()) for s in samples)
     # more self-instruct prompts sample only the new ones and answer only those
     calls = []
-    real = generate.HFBackend.stream
     monkeypatch.setattr(generate.HFBackend, "stream", lambda self, items: calls.append(len(items)) or real(self, items))
-    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5"))
+    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5", short))
     assert calls[0] == 2  # two new samples; then only their answers (if kept)
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()][:3] == [s["id"] for s in samples]
-    assert run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5")) is not None and len(calls) <= 2
+    assert run(make_cfg(tmp_path, prompts_file, "data.self_instruct=5", short)) is not None and len(calls) <= 2
     # other settings with overwrite=true replace the prompts along with the answers
-    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", "generate.max_new_tokens=8", "generate.overwrite=true"))
+    run(make_cfg(tmp_path, prompts_file, "data.self_instruct=2", short, "generate.max_new_tokens=8",
+                 "generate.overwrite=true"))
     assert len(path.read_text().splitlines()) == 2
+    # prompts written under another length limit are not reused (nor their answers: the identity differs)
+    longer = ["data.self_instruct=2", "data.self_instruct_max_tokens=12", "generate.max_new_tokens=8"]
+    with pytest.raises(ConfigError, match="self_instruct_max_tokens: 10 here, 12 requested"):
+        run(make_cfg(tmp_path, prompts_file, *longer))
+    for f in [*generate.shard_paths(path.parent), path.parent / "manifest.json"]:
+        f.unlink()
+    with pytest.raises(ConfigError, match="data.self_instruct_max_tokens than 12"):
+        run(make_cfg(tmp_path, prompts_file, *longer))
+    run(make_cfg(tmp_path, prompts_file, *longer, "generate.overwrite=true"))  # written again under the new limit
+    assert [json.loads(line)["max_new_tokens"] for line in path.read_text().splitlines()] == [12, 12]
+    tok = load_tokenizer("tiny")
+    assert generate.identity(make_cfg(tmp_path, prompts_file, "data.self_instruct_max_tokens=96"), tok) == \
+        generate.identity(make_cfg(tmp_path, prompts_file), tok), "the default keeps identities written before it"
