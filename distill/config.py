@@ -245,7 +245,7 @@ def validate(cfg: DictConfig | Config) -> None:
     unknown = [s for s in cfg.stages if s not in STAGES]
     need(not unknown, f"stages has unknown {unknown}; choose from {list(STAGES)}")
     need(cfg.data.self_instruct >= 0, f"data.self_instruct={cfg.data.self_instruct} must be >= 0 (0 = off)")
-    need(cfg.data.get("self_instruct_max_tokens", 96) >= 1,
+    need(cfg.data.get("self_instruct_max_tokens", DataConfig.self_instruct_max_tokens) >= 1,
          f"data.self_instruct_max_tokens={cfg.data.get('self_instruct_max_tokens')} must be >= 1")
     need(cfg.model.draft_vocab >= 0, f"model.draft_vocab={cfg.model.draft_vocab} must be >= 0 (0 = whole vocabulary)")
     g = cfg.generate

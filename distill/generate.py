@@ -53,7 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from distill.config import ConfigError
+from distill.config import ConfigError, DataConfig
 from distill.data import PromptTooLong, encode_prompt, load_prompts, prompt_token_limit, render_prompt
 from distill.models import (
     load_target, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path, shared_vocab_size,
@@ -400,7 +400,7 @@ SELF_INSTRUCT_FILE = "self_instruct.jsonl"
 # How the target writes its own prompts: sampled (diverse but mostly coherent at 0.8 / 0.95); the length
 # limit is data.self_instruct_max_tokens.
 SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "num_samples": 1, "store_topk": 0}
-SELF_INSTRUCT_MAX_TOKENS = 96  # the default, which samples written before the field existed were made with
+SELF_INSTRUCT_MAX_TOKENS = DataConfig.self_instruct_max_tokens  # what samples written before the field had
 _MARKER = "\u2063SELF-INSTRUCT\u2063"
 
 
