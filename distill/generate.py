@@ -30,6 +30,7 @@ How it stays correct:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -107,9 +108,12 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
         data.pop("self_instruct_max_tokens", None)  # the default: identities written before the field still match
     if not data.get("skip"):
         data.pop("skip", None)  # the default: identities written before the field existed still match
+    model = {"target": m.target, "revision": m.revision,
+             "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")}
+    if g.get("mixed_precision", "no") != "no":  # the default: identities written before the field still match
+        model["autocast"] = g.mixed_precision
     return {
-        "model": {"target": m.target, "revision": m.revision,
-                  "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")},
+        "model": model,
         "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "sampling": {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k),
                      "max_new_tokens": int(g.max_new_tokens), "num_samples": int(g.num_samples), "seed": int(cfg.seed)},
@@ -188,13 +192,20 @@ class HFBackend:
         self.eos = {int(t) for t in [tok.eos_token_id, *gen_eos] if t is not None}
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.continuous = True  # cleared when the model's cache cannot absorb new rows
+        self.bf16 = g.get("mixed_precision", "no") == "bf16"
+
+    def _forward(self):
+        """The context every target forward pass runs in: bf16 autocast with generate.mixed_precision=bf16."""
+        dev = next(self.model.parameters()).device
+        return torch.autocast(dev.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
     def _admit(self, items: list[Item]) -> tuple[KVModel, torch.Tensor]:
         """Prefill new prompts in a batch of their own -> (its KVModel, next-token logits [b, V])."""
         kv = KVModel(self.model, vocab_size=self.vocab)
         ids, mask = left_pad([it.prompt_ids for it in items], None, self.pad, kv.device)  # [b, S]: last column real
-        kv.prefill(ids[:, :-1], mask[:, :-1])
-        return kv, kv.step(ids[:, -1:])[:, -1]
+        with self._forward():
+            kv.prefill(ids[:, :-1], mask[:, :-1])
+            return kv, kv.step(ids[:, -1:])[:, -1].float()
 
     @torch.no_grad()
     def stream(self, items: list[Item]) -> Iterator[tuple[Item, Output]]:
@@ -247,7 +258,8 @@ class HFBackend:
                 idx = torch.tensor(keep, device=kv.device)
                 kv.select_rows(idx)
                 nxt = nxt[idx]
-            logits = kv.step(nxt[:, None])[:, -1]
+            with self._forward():
+                logits = kv.step(nxt[:, None])[:, -1].float()
 
 
 class VLLMBackend:

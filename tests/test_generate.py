@@ -362,13 +362,15 @@ def test_refuses_another_models_data_unless_overwrite(tmp_path, prompts_file):
         ("generate.max_new_tokens=600", "leaves no room for a prompt"),
         ("data.source=nowhere", "data.source"),
         ("generate.backend=vllm", "vllm"),
+        ("generate.mixed_precision=fp16", "generate.mixed_precision"),
+        ("generate.backend=vllm generate.mixed_precision=bf16", "mixed_precision=bf16 is for the transformers"),
     ],
 )
 def test_bad_input_is_one_clear_error(tmp_path, prompts_file, bad, message):
     if bad == "generate.backend=vllm" and torch.cuda.is_available():
         pytest.skip("this machine may run vLLM")
     with pytest.raises(ConfigError, match=message):
-        run(make_cfg(tmp_path, prompts_file, bad))
+        run(make_cfg(tmp_path, prompts_file, *bad.split()))
 
 
 def test_empty_prompt_set(tmp_path):
@@ -455,3 +457,41 @@ def test_self_instruct_prompts_are_sampled_once_and_answered(tmp_path, prompts_f
     tok = load_tokenizer("tiny")
     assert generate.identity(make_cfg(tmp_path, prompts_file, "data.self_instruct_max_tokens=96"), tok) == \
         generate.identity(make_cfg(tmp_path, prompts_file), tok), "the default keeps identities written before it"
+
+
+# ---------------------------------------------------------------- bf16 autocast
+
+
+def test_mixed_precision_runs_the_target_in_bf16_and_is_part_of_the_identity(tmp_path, prompts_file, monkeypatch):
+    """generate.mixed_precision=bf16: every target forward pass (prefill and decode) computes in bf16, the
+    stored top-k logits stay float; the identity names it only when set, so older data keeps matching."""
+    tok = load_tokenizer("tiny")
+    plain = generate.identity(make_cfg(tmp_path, prompts_file), tok)
+    assert "autocast" not in plain["model"]
+    bf16 = generate.identity(make_cfg(tmp_path, prompts_file, "generate.mixed_precision=bf16"), tok)
+    assert bf16["model"]["autocast"] == "bf16" and bf16 != plain
+
+    dtypes = collections.Counter()  # the logits of every prefill and decoding pass
+    real_step = generate.KVModel.step
+
+    def step_and_watch(kv, *a, **kw):
+        out = real_step(kv, *a, **kw)
+        dtypes.update([out.dtype])
+        return out
+
+    monkeypatch.setattr(generate.KVModel, "step", step_and_watch)
+    run(make_cfg(tmp_path / "fp32", prompts_file, "generate.store_topk=3"))
+    assert set(dtypes) == {torch.float32}
+    dtypes.clear()
+    run(make_cfg(tmp_path / "bf16", prompts_file, "generate.store_topk=3", "generate.mixed_precision=bf16"))
+    assert set(dtypes) == {torch.bfloat16} and sum(dtypes.values()) > len(PROMPTS)
+    a, b = records(tmp_path / "fp32" / "t"), records(tmp_path / "bf16" / "t")
+    assert [r["id"] for r in a] == [r["id"] for r in b]
+    # same prompts: the first greedy token almost always agrees, and the stored top logit is close, not equal
+    first = [(x["response_ids"][0], y["response_ids"][0]) for x, y in zip(a, b)]
+    assert sum(u == v for u, v in first) >= len(first) - 1
+    top = torch.tensor([[x["topk_logits"][0][0], y["topk_logits"][0][0]] for x, y in zip(a, b)])
+    assert (top[:, 0] - top[:, 1]).abs().max() <= 0.05 * top[:, 0].abs().max().clamp(min=1)
+    assert not torch.equal(top[:, 0], top[:, 1])
+    with pytest.raises(ConfigError, match="other settings.*autocast"):
+        run(make_cfg(tmp_path / "fp32", prompts_file, "generate.store_topk=3", "generate.mixed_precision=bf16"))
