@@ -192,12 +192,12 @@ class HFBackend:
         self.eos = {int(t) for t in [tok.eos_token_id, *gen_eos] if t is not None}
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.continuous = True  # cleared when the model's cache cannot absorb new rows
+        self.device_type = next(model.parameters()).device.type
         self.bf16 = g.get("mixed_precision", "no") == "bf16"
 
     def _forward(self):
         """The context every target forward pass runs in: bf16 autocast with generate.mixed_precision=bf16."""
-        dev = next(self.model.parameters()).device
-        return torch.autocast(dev.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
     def _admit(self, items: list[Item]) -> tuple[KVModel, torch.Tensor]:
         """Prefill new prompts in a batch of their own -> (its KVModel, next-token logits [b, V])."""

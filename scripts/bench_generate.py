@@ -26,6 +26,7 @@ import resource
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -41,11 +42,11 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def stage(tmp: str, name: str, overrides: list[str]) -> tuple[dict, list[dict]]:
-    """distill.generate.run on the bench prompts -> (its summary, its records in id order)."""
+def stage(tmp: str, name: str, overrides: list[str]) -> tuple[Any, dict, list[dict]]:
+    """distill.generate.run on the bench prompts -> (its config, its summary, its records in id order)."""
     cfg = compose("generate", overrides=[*overrides, f"runs_root={tmp}", f"run_name={name}"])
     summary = run(cfg)
-    return summary, sorted(load_generated(os.path.join(tmp, name)).to_list(), key=lambda r: r["id"])
+    return cfg, summary, load_generated(os.path.join(tmp, name)).to_list()
 
 
 @torch.no_grad()
@@ -104,11 +105,10 @@ def main() -> None:
             "generate.temperature=0", f"generate.max_new_tokens={args.max_new_tokens}",
             f"generate.batch_size={args.batch_size}", f"generate.shard_size={args.batch_size * 4}",
         ]
-        summary, records = stage(tmp, "bench", common)
+        cfg, summary, records = stage(tmp, "bench", common)
         mem_stage = peak_mib()
         if args.bf16:
-            summary_bf16, records_bf16 = stage(tmp, "bench-bf16", [*common, "generate.mixed_precision=bf16"])
-        cfg = compose("generate", overrides=common)
+            _, summary_bf16, records_bf16 = stage(tmp, "bench-bf16", [*common, "generate.mixed_precision=bf16"])
 
     model, tok = load_target(cfg.model)
     result = {
