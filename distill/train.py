@@ -109,6 +109,10 @@ class DraftLoss(torch.nn.Module):
 def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Module:
     """student=full (optionally freezing embeddings + LM head and the first layers) or student=lora (peft adapter)."""
     s = cfg.student
+    n_layers = len(draft.get_decoder().layers)
+    if s.freeze_layers and not 0 < s.freeze_layers < n_layers:
+        raise ConfigError(f"student.freeze_layers={s.freeze_layers} must leave at least one of the draft's "
+                          f"{n_layers} layers to train; choose 0..{n_layers - 1}")
     if s.kind == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -117,20 +121,18 @@ def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Modul
         if missing:
             raise ConfigError(f"student.lora_target_modules {missing} do not exist in {type(draft).__name__}; "
                               f"its linear modules are {present}")
+        # freeze_layers: no adapter on the first N layers, so they stay the target's and nothing runs backward there
+        only = dict(layers_to_transform=list(range(s.freeze_layers, n_layers)), layers_pattern="layers") \
+            if s.freeze_layers else {}
         draft = get_peft_model(draft, LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
-                                                 target_modules=list(s.lora_target_modules)))
+                                                 target_modules=list(s.lora_target_modules), **only))
         draft.peft_config["default"].base_model_name_or_path = str((out / "init").resolve())
     else:
         if s.freeze_embeddings:
             for emb in (draft.get_input_embeddings(), draft.get_output_embeddings()):
                 emb.weight.requires_grad_(False)
-        if s.freeze_layers:
-            layers = draft.get_decoder().layers
-            if not 0 < s.freeze_layers < len(layers):
-                raise ConfigError(f"student.freeze_layers={s.freeze_layers} must leave at least one of the draft's "
-                                  f"{len(layers)} layers to train; choose 0..{len(layers) - 1}")
-            for layer in layers[:s.freeze_layers]:
-                layer.requires_grad_(False)
+        for layer in draft.get_decoder().layers[:s.freeze_layers]:
+            layer.requires_grad_(False)
     if cfg.train.gradient_checkpointing:
         base = draft.get_base_model() if ck.is_peft(draft) else draft
         kw = {"use_reentrant": False}

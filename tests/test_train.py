@@ -250,6 +250,18 @@ def test_lora_saves_adapter_and_merged_model_that_agree(gen, tmp_path):
     assert Path(cfg_json["base_model_name_or_path"]).resolve() == (out / "init").resolve()
 
 
+def test_lora_freeze_layers_puts_no_adapter_on_the_first_layers(gen, tmp_path):
+    cfg = setup_run(gen, tmp_path, "lorafrz", "student=lora", "student.lora_r=4", "train.lr=5e-2", "train.max_steps=2",
+                    "model.draft_layers=[0,1]", "student.freeze_layers=1")
+    train.run(cfg)
+    ckpt = tmp_path / "lorafrz" / "distill" / "checkpoint-2"
+    assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["layers_to_transform"] == [1]
+    init, merged = weights(tmp_path / "lorafrz" / "distill" / "init"), weights(ckpt)
+    for k in (k for k in init if k.startswith("model.layers.") and k.endswith("proj.weight")):
+        same = torch.equal(merged[k], init[k])
+        assert same if k.startswith("model.layers.0.") else not same, k
+
+
 def test_topk_teacher_on_policy_gradient_checkpointing_and_wandb(gen, tmp_path):
     s = train.run(setup_run(gen, tmp_path, "topk", "train.teacher=topk", "loss=jsd", "train.max_steps=3",
                             "logger=wandb", "wandb_mode=offline"))
