@@ -107,7 +107,8 @@ class DraftLoss(torch.nn.Module):
 
 
 def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Module:
-    """student=full (optionally freezing embeddings + LM head and the first layers) or student=lora (peft adapter; none on the frozen first layers)."""
+    """student=full (optionally freezing embeddings + LM head and the first layers) or student=lora
+    (peft adapter; none on the frozen first layers)."""
     s = cfg.student
     n_layers = len(draft.get_decoder().layers)
     if s.freeze_layers and not 0 < s.freeze_layers < n_layers:
