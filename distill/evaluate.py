@@ -70,9 +70,6 @@ from specdec.sampling import SamplingParams, logits_to_probs
 log = logging.getLogger(__name__)
 FLOAT_TIE_GAP = 1e-4  # ARCHITECTURE.md "Lossless means lossless"
 EXIT_GREEDY_MISMATCH = 1
-_COUNTERS = ("target_calls", "row_rounds", "draft_calls", "proposed", "accepted", "rejections", "emitted",
-             "gamma_sum", "prefill_time_s", "draft_time_s", "target_time_s", "wall_time_s")
-_HISTOGRAMS = ("tried_at", "accepted_at", "accepted_lengths")
 
 
 class GreedyMismatch(RuntimeError):
@@ -216,17 +213,7 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
 # -- measurement ----------------------------------------------------------------------------------
 def merge_metrics(parts: list[SpecMetrics], batch_size: int) -> SpecMetrics:
     """Sum the decoder's counters over batches (the definitions then apply to the sums)."""
-    first = parts[0]
-    settings = {f.name: getattr(first, f.name) for f in fields(SpecMetrics)
-                if f.name not in _COUNTERS + _HISTOGRAMS + ("baseline_target_step_s",)}
-    m = SpecMetrics(**{**settings, "batch_size": batch_size})
-    for p in parts:
-        for k in _COUNTERS:
-            setattr(m, k, getattr(m, k) + getattr(p, k))
-        for k in _HISTOGRAMS:
-            a, b = getattr(m, k), getattr(p, k)
-            setattr(m, k, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
-    return m
+    return SpecMetrics.merge(parts, batch_size)
 
 
 def _timed(decoders: list[Callable[[list[list[int]], int], DecodeResult]], es: EvalSet, bs: int, warmup: int,

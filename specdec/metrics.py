@@ -10,7 +10,7 @@ acceptance, cost_ratio (c: one draft step ÷ one target step), predicted_speedup
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -35,6 +35,12 @@ def teacher_forced_acceptance(p: torch.Tensor, q: torch.Tensor, mask: torch.Tens
     if mask is not None:
         overlap = overlap[mask]
     return float(overlap.double().mean()) if overlap.numel() else float("nan")
+
+
+_SETTINGS = ("batch_size", "gamma", "gamma_policy", "temperature", "top_k", "top_p", "draft_sampled")
+_COUNTERS = ("target_calls", "row_rounds", "draft_calls", "proposed", "accepted", "rejections", "emitted",
+             "gamma_sum", "prefill_time_s", "draft_time_s", "target_time_s", "wall_time_s")
+_HISTOGRAMS = ("tried_at", "accepted_at", "accepted_lengths")
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -143,6 +149,24 @@ class SpecMetrics:
         a, g = self.acceptance_rate, self.mean_gamma
         return expected_tokens_per_call(a, g) if None not in (a, g) else None
 
+    @classmethod
+    def merge(cls, parts: list["SpecMetrics"], batch_size: int | None = None) -> "SpecMetrics":
+        """Sum the counters, histograms and times of runs with the same settings (the definitions
+        then apply to the sums). Settings come from the first part; batch_size overrides its."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        first = parts[0]
+        out = cls(**{f.name: getattr(first, f.name) for f in fields(cls) if f.name in _SETTINGS})
+        if batch_size is not None:
+            out.batch_size = batch_size
+        for p in parts:
+            for k in _COUNTERS:
+                setattr(out, k, getattr(out, k) + getattr(p, k))
+            for k in _HISTOGRAMS:
+                a, b = getattr(out, k), getattr(p, k)
+                setattr(out, k, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
+        return out
+
     def to_dict(self) -> dict:
         """Settings, counters and every derived metric, under the names of ARCHITECTURE.md."""
         out = asdict(self)
@@ -152,3 +176,30 @@ class SpecMetrics:
             out[name] = getattr(self, name)
         out["accepted_length_histogram"] = out.pop("accepted_lengths")
         return out
+
+
+def bootstrap_ci(num: list[float], den: list[float] | None = None, level: float = 0.95, resamples: int = 2000,
+                 seed: int = 0) -> list[float] | None:
+    """Percentile bootstrap interval over items (prompts) of Σnum ÷ Σden (den None: the mean of num).
+
+    Each resample draws len(num) items with replacement and takes the ratio of the sums, so a
+    per-token rate (α, τ) weights prompts by their tokens as the point estimate does. Returns
+    [low, high], or None for no items; resamples whose denominator is 0 are dropped.
+    """
+    import numpy as np
+
+    n = len(num)
+    if n == 0:
+        return None
+    x = np.asarray(num, dtype=np.float64)
+    d = np.ones(n) if den is None else np.asarray(den, dtype=np.float64)
+    if d.shape != x.shape:
+        raise ValueError(f"num and den need the same length (got {n} and {len(d)})")
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    tops, bottoms = x[idx].sum(1), d[idx].sum(1)
+    ok = bottoms != 0
+    if not ok.any():
+        return None
+    ratios = tops[ok] / bottoms[ok]
+    tail = (1 - level) / 2
+    return [float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))]
