@@ -69,6 +69,9 @@ class DataConfig:
     # Plus the evaluation sets' own prompts that evaluation leaves out: every prompt of each eval_data
     # source except the ones that set evaluates (so each set needs a limit: shuffle + limit=N holds N out).
     in_domain: bool = False
+    # 2: MT-Bench second turns after the target's own answer to the first (eval_data sets only; nothing
+    # trains on them). The same shuffle/seed/limit as a turn-1 set picks the same questions.
+    turn: int = 1
 
 
 @dataclass
@@ -162,9 +165,15 @@ class EvaluateConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     top_p: float = 1.0
     batch_sizes: list[int] = field(default_factory=lambda: [1])
-    max_new_tokens: int = 64
-    repeats: int = 3
-    warmup: int = 1
+    # Greedy α, τ and counters come from exact replay over every prompt at this length (no decoding)
+    max_new_tokens: int = 128
+    # Prompts per set decoded for real and timed (costs, measured speedup, the greedy and replay checks),
+    # at timed_max_new_tokens (null: max_new_tokens); sampled rows and batch sizes > 1 are measured on them
+    timed_prompts: int = 4
+    timed_max_new_tokens: Optional[int] = 64
+    repeats: int = 3  # timed runs per decoder (median); fewer than 3 flags every speedup as noise
+    warmup: int = 1  # untimed runs first; 0 flags every speedup as noise
+    reference_batch_size: int = 16  # the target's reference answers are decoded in batches of this size
     prompts_per_set: Optional[int] = None  # None = every prompt in each eval set
     max_prompt_tokens: int = 1024  # longer eval prompts are skipped (and counted in the report)
     seed: int = 0
@@ -312,6 +321,10 @@ def validate(cfg: DictConfig | Config) -> None:
     need(all(b >= 1 for b in e.batch_sizes), "evaluate.batch_sizes must be >= 1")
     need(e.max_prompt_tokens >= 1, "evaluate.max_prompt_tokens must be >= 1")
     need(e.repeats >= 1 and e.warmup >= 0, "evaluate.repeats must be >= 1 and evaluate.warmup >= 0")
+    need(e.get("timed_prompts", 0) >= 0, "evaluate.timed_prompts must be >= 0 (0: replay only, no timing)")
+    need(e.get("timed_max_new_tokens") is None or e.timed_max_new_tokens >= 1,
+         "evaluate.timed_max_new_tokens must be >= 1 (or null: evaluate.max_new_tokens)")
+    need(e.get("reference_batch_size", 1) >= 1, "evaluate.reference_batch_size must be >= 1")
     bad_refs = [r for r in e.references if r not in ("target", "init", "prompt_lookup", "hf_assisted")]
     need(not bad_refs, f"evaluate.references has unknown {bad_refs}; choose from target, init, prompt_lookup, hf_assisted")
     m = cfg.model

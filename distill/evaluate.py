@@ -1,4 +1,4 @@
-"""Evaluate drafts inside the lossless speculative decoder: α, τ, c, speedup, a report and plots.
+"""Evaluate drafts inside the lossless speculative decoder: α, τ, c, speedup with intervals, a report.
 
     python -m distill.evaluate model=tiny experiment=smoke evaluate.drafts=[]      # seconds on CPU
     python -m distill.evaluate experiment=smoke                    # SmolLM2: best + references, minutes on CPU
@@ -9,21 +9,23 @@
 Drafts (evaluate.drafts): paths, globs, a hub id, or the names "best" (runs/<run>/distill/best) and
 "checkpoints" (every runs/<run>/distill/checkpoint-*). References (evaluate.references): target
 (alone: the speed baseline), init (the undistilled draft from model.draft_init), prompt_lookup,
-hf_assisted (transformers assisted generation with the first draft and a constant γ; batch 1, greedy).
+hf_assisted (transformers assisted generation with the first draft; batch 1, greedy, timed subset).
+
+How it measures (distill/measure.py; docs/architecture.md, "Evaluation"):
+- the target's greedy answers to every prompt of a set (evaluate.max_new_tokens each), and one
+  teacher-forced pass of each draft over them, give greedy α, τ and every counter for every γ by
+  exact replay (specdec/replay.py), with 95% bootstrap intervals over prompts;
+- `evaluate.timed_prompts` prompts per set are decoded for real (warm-up, then `repeats` interleaved
+  timed runs): the costs (target step, verify call, draft step, prefill), the measured speedup, the
+  greedy identity check, and the cross-check that replayed counts equal decoded ones;
+- modeled_speedup: the replayed counts of every prompt times the measured costs;
+- sampled rows (T > 0) and batch sizes > 1 are decoded on the timed subset; α_TF at T > 0 scores the
+  target's sampled answers to every prompt.
 
 Writes runs/<run>/evaluate/report.json (every number with its settings, plus definitions), report.md
-and plots/ (rendered by distill/report.py). Exit codes: 0 ok; 2 bad input (one message); 1 a
-speculative greedy output differed from the target's own where no float tie explains it (a decoder
-bug; the report is written first).
-
-How it measures: every row decodes the same prompts in the same batches (formed within one
-category, so per-category α comes from the decoder's own counters) with the same max_new_tokens and
-seeds. For each (set, batch size, temperature) the target alone and every speculative decoder
-(all drafts and γ) are timed `repeats` times after `warmup` untimed runs of the first batch,
-interleaved (repeat r runs each decoder in turn), so a shared machine's drift hits all alike;
-speedup = median target-alone wall ÷ median speculative wall, and c uses that run's target step.
-α_TF scores the target-alone answers of the same setting (greedy, or sampled at that temperature),
-so it sees contexts distributed as the ones the speculative decoder visits and estimates the same α.
+and plots/ (rendered by distill/report.py). Exit codes: 0 ok; 2 bad input (one message); 1 speculative
+greedy output differed from the target's own, or replayed counts from decoded ones, where no float tie
+explains it (a decoder bug; the report is written first).
 """
 from __future__ import annotations
 
@@ -33,13 +35,11 @@ import json
 import logging
 import os
 import re
-import statistics
 import sys
-import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import hydra
 import torch
@@ -49,8 +49,20 @@ from tqdm.auto import tqdm
 from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
-from distill.doctor import diagnose
+from distill.doctor import diagnose, noise_flags
 from distill.generate import record_ids
+from distill.measure import (
+    FLOAT_TIE_GAP,
+    Timed,
+    costs_from,
+    greedy_check,
+    measured_speedup,
+    modeled_speedup,
+    reference_answers,
+    replay_check,
+    teacher_forced,
+    time_decoders,
+)
 from distill.models import (
     check_tokenizers,
     load_draft,
@@ -64,16 +76,15 @@ from distill.utils import atomic_write_json, cli, start_stage
 from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.kv import KVModel
-from specdec.metrics import SpecMetrics, teacher_forced_acceptance
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.metrics import SpecMetrics, bootstrap_ci, predicted_speedup
+from specdec.replay import draft_argmax, lookup_proposals, model_proposals, near_ties, replay
 
 log = logging.getLogger(__name__)
-FLOAT_TIE_GAP = 1e-4  # ARCHITECTURE.md "Lossless means lossless"
 EXIT_GREEDY_MISMATCH = 1
 
 
 class GreedyMismatch(RuntimeError):
-    """Speculative greedy tokens differed from the target's own greedy tokens (not a float tie)."""
+    """Speculative greedy tokens (or replayed counts) differed from the target's own (not a float tie)."""
 
 
 @dataclass
@@ -81,6 +92,21 @@ class Prompt:
     id: str
     category: str
     ids: list[int]
+
+
+def round_robin(prompts: list[Prompt], n: Optional[int]) -> list[int]:
+    """Indices of the first n prompts taken in turn from each category (all when n is None or larger)."""
+    if n is None or n >= len(prompts):
+        return list(range(len(prompts)))
+    by_cat: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_cat.setdefault(p.category, []).append(i)
+    picked: list[int] = []
+    while len(picked) < n:
+        for idx in by_cat.values():
+            if idx and len(picked) < n:
+                picked.append(idx.pop(0))
+    return picked
 
 
 @dataclass
@@ -98,19 +124,8 @@ class EvalSet:
             out += [idx[i : i + size] for i in range(0, len(idx), size)]
         return out
 
-
-@dataclass
-class Timed:
-    walls: list[float]  # seconds per timed repeat
-    results: list[DecodeResult]  # per batch, from the last repeat
-    batches: list[list[int]]
-
-    def tokens(self, n: int) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in range(n)]
-        for b, res in zip(self.batches, self.results):
-            for i, toks in zip(b, res.tokens):
-                out[i] = toks
-        return out
+    def subset(self, idx: list[int]) -> "EvalSet":
+        return EvalSet(self.name, [self.prompts[i] for i in idx], 0)
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -177,12 +192,23 @@ def _load_target(cfg: DictConfig):
 
 
 def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
-    """Each eval_data set encoded for the target; prompts_per_set picks round-robin over categories."""
+    """Each eval_data set encoded for the target; prompts_per_set picks round-robin over categories. A
+    turn-2 set (MT-Bench second turns) puts the target's own greedy answer to turn 1 before turn 2."""
     e = cfg.evaluate
     limit = prompt_token_limit(e.max_prompt_tokens, target.config, e.max_new_tokens)
+    eos, pad, vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
     sets = []
     for name, dcfg in cfg.eval_data.items():
-        ds = load_prompts(dcfg)
+        ds = list(load_prompts(dcfg))
+        if dcfg.get("turn", 1) == 2:
+            ds = [r for r in ds if len(r["messages"]) >= 2]
+            firsts = [encode_prompt(tok, r["messages"][:-1]) for r in ds]
+            log.info("eval_data.%s: the target answers %d first turns", name, len(ds))
+            answers = reference_answers(target, firsts, e.max_new_tokens, 0.0, 1.0, e.seed, eos, pad, vocab,
+                                        e.reference_batch_size)
+            ds = [{**r, "messages": r["messages"][:-1] + [{"role": "assistant", "content": tok.decode(
+                [t for t in a if t != eos], skip_special_tokens=True)}] + r["messages"][-1:]}
+                  for r, a in zip(ds, answers)]
         prompts, skipped = [], 0
         for row in ds:
             ids = encode_prompt(tok, row["messages"])
@@ -193,130 +219,94 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
         if not prompts:
             raise ConfigError(f"eval_data.{name}: all {len(ds)} prompts are longer than {limit} tokens; raise "
                               "evaluate.max_prompt_tokens or lower evaluate.max_new_tokens")
-        n = e.prompts_per_set
-        if n is not None and n < len(prompts):
-            by_cat: dict[str, list[Prompt]] = {}
-            for p in prompts:
-                by_cat.setdefault(p.category, []).append(p)
-            picked = []
-            while len(picked) < n:
-                for c in by_cat:
-                    if by_cat[c] and len(picked) < n:
-                        picked.append(by_cat[c].pop(0))
-            prompts = picked
+        prompts = [prompts[i] for i in round_robin(prompts, e.prompts_per_set)]
         if skipped:
             log.warning("eval_data.%s: skipped %d prompts longer than %d tokens", name, skipped, limit)
         sets.append(EvalSet(name, prompts, skipped))
     return sets
 
 
-# -- measurement ----------------------------------------------------------------------------------
-def merge_metrics(parts: list[SpecMetrics], batch_size: int) -> SpecMetrics:
-    """Sum the decoder's counters over batches (the definitions then apply to the sums)."""
-    return SpecMetrics.merge(parts, batch_size)
+# -- rows -----------------------------------------------------------------------------------------
+def _ci_of(parts: list[SpecMetrics], num, den) -> Optional[list[float]]:
+    return bootstrap_ci([float(num(m)) for m in parts], [float(den(m)) for m in parts])
 
 
-def _timed(decoders: list[Callable[[list[list[int]], int], DecodeResult]], es: EvalSet, bs: int, warmup: int,
-           repeats: int, seed: int) -> list[Timed]:
-    """Warm each decoder up on the first batch (untimed), then time `repeats` passes over every batch,
-    interleaved (repeat r runs every decoder in turn) so drift on a shared machine hits all alike."""
-    batches = es.batches(bs)
-    for decode in decoders:
-        for _ in range(warmup):
-            decode([es.prompts[i].ids for i in batches[0]], seed)
-    out = [Timed([], [], batches) for _ in decoders]
-    for _ in range(repeats):
-        for decode, t in zip(decoders, out):
-            t0 = time.perf_counter()
-            t.results = [decode([es.prompts[i].ids for i in b], seed + j) for j, b in enumerate(batches)]
-            t.walls.append(time.perf_counter() - t0)
-    return out
+def alpha_tau(parts: list[SpecMetrics]) -> dict[str, Any]:
+    """α and τ of merged per-prompt (or per-batch) counters, with bootstrap intervals over the parts."""
+    m = SpecMetrics.merge(parts)
+    return {"acceptance_rate": m.acceptance_rate, "tokens_per_target_call": m.tokens_per_target_call,
+            "acceptance_rate_ci": _ci_of(parts, lambda x: x.accepted, lambda x: x.accepted + x.rejections),
+            "tokens_per_target_call_ci": _ci_of(parts, lambda x: x.emitted, lambda x: x.row_rounds)}
 
 
-def _first_divergence(a: list[int], b: list[int]) -> Optional[int]:
-    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return j if j is not None or len(a) == len(b) else min(len(a), len(b))
-
-
-@torch.inference_mode()
-def greedy_check(target, es: EvalSet, reference: list[list[int]], got: list[list[int]], vocab: int):
-    """(mismatches, float ties): per prompt, the first position where speculative greedy tokens
-    differ from the target's, with the target's top-2 logit gap there (tie if < FLOAT_TIE_GAP)."""
-    bad, ties = [], []
-    dev = next(target.parameters()).device
-    for p, ref, out in zip(es.prompts, reference, got):
-        j = _first_divergence(ref, out)
-        if j is None:
-            continue
-        logits = target(torch.tensor([p.ids + ref[:j]], device=dev)).logits[0, -1, :vocab].float()  # [V]
-        top = logits.topk(2).values
-        gap = float(top[0] - top[1])
-        item = {"prompt_id": p.id, "position": j, "gap": gap,
-                "expected": ref[j] if j < len(ref) else None, "got": out[j] if j < len(out) else None}
-        (ties if gap < FLOAT_TIE_GAP else bad).append(item)
-    return bad, ties
-
-
-@torch.inference_mode()
-def teacher_forced(target, draft, es: EvalSet, reference: list[list[int]], temps, top_p: float, vocab: int,
-                   draft_vocab: Optional[torch.Tensor] = None):
-    """α_TF per temperature: Σ_x min(p, q) averaged over every target-generated position. With a
-    draft vocabulary, q is the draft's distribution over those ids (zero elsewhere), as decoded."""
-    dev = next(target.parameters()).device
-    sums, n = {t: 0.0 for t in temps}, 0
-    for p, resp in zip(es.prompts, reference):
-        if not resp:
-            continue
-        ids = torch.tensor([p.ids + resp], device=dev)
-        span = slice(len(p.ids) - 1, len(p.ids) - 1 + len(resp))  # positions that predict the response
-        tl, dl = target(ids).logits[0, span, :vocab], draft(ids).logits[0, span, :vocab]  # [n, V]
-        for t in temps:
-            params = SamplingParams(t, 0, top_p)
-            if draft_vocab is None:
-                q = logits_to_probs(dl, params)
-            else:
-                sub = draft_vocab.to(dl.device)
-                q = torch.zeros_like(dl).index_copy_(1, sub, logits_to_probs(dl[:, sub], params))  # [n, V]
-            sums[t] += teacher_forced_acceptance(logits_to_probs(tl, params), q) * len(resp)
-        n += len(resp)
-    return {t: (s / n if n else None) for t, s in sums.items()}
-
-
-def _median_spread(base: list[float], walls: list[float]) -> tuple[float, list[float]]:
-    mb = statistics.median(base)
-    return mb / statistics.median(walls), [mb / max(walls), mb / min(walls)]
-
-
-def metrics_row(m: SpecMetrics, timed: Timed, base: Timed, es: EvalSet, **info) -> dict[str, Any]:
-    """One report row from the merged counters of the last repeat and the median wall times."""
+def counts_fields(m: SpecMetrics, parts: list[SpecMetrics], cats: dict[str, list[SpecMetrics]]) -> dict[str, Any]:
+    """The fields every speculative row takes from its counters (decoded or replayed)."""
     d = m.to_dict()
-    speedup, spread = _median_spread(base.walls, timed.walls)
-    wall = statistics.median(timed.walls)
-    by_cat: dict[str, list[SpecMetrics]] = {}
-    for b, res in zip(timed.batches, timed.results):
-        by_cat.setdefault(es.prompts[b[0]].category, []).append(res.metrics)
-    cats = {}
-    for c, parts in by_cat.items():
-        cm = merge_metrics(parts, m.batch_size)
-        cats[c] = {"acceptance_rate": cm.acceptance_rate, "tokens_per_target_call": cm.tokens_per_target_call,
-                   "prompts": sum(x.batch_size for x in parts)}
     return {
-        **info, "eval_set": es.name, "temperature": m.temperature, "top_p": m.top_p, "gamma": m.gamma,
-        "gamma_policy": m.gamma_policy, "mean_gamma": d["mean_gamma"], "batch_size": m.batch_size,
-        "draft_sampled": m.draft_sampled, "prompts": len(es.prompts),
-        **{k: d[k] for k in ("acceptance_rate", "draft_acceptance_ratio", "tokens_per_target_call",
-                             "per_position_acceptance", "cost_ratio", "predicted_speedup",
-                             "expected_tokens_per_call", "draft_step_s", "target_step_s")},
-        "teacher_forced_acceptance": None, "tokens_per_s": m.emitted / wall if wall else None,
-        "speedup": speedup, "speedup_spread": spread, "wall_time_s": wall, "wall_times_s": timed.walls,
-        "draft_time_s": m.draft_time_s, "target_time_s": m.target_time_s, "prefill_time_s": m.prefill_time_s,
-        "verify_call_s": m.target_time_s / m.target_calls if m.target_calls else None,
-        "greedy_identical": None, "float_ties": [], "greedy_mismatches": [],
-        "by_category": cats, "accepted_length_histogram": d["accepted_length_histogram"],
+        **alpha_tau(parts), "gamma": m.gamma, "gamma_policy": m.gamma_policy, "mean_gamma": d["mean_gamma"],
+        **{k: d[k] for k in ("draft_acceptance_ratio", "per_position_acceptance", "expected_tokens_per_call")},
+        "tokens": m.emitted, "accepted_length_histogram": d["accepted_length_histogram"],
+        "by_category": {c: {"acceptance_rate": SpecMetrics.merge(ps).acceptance_rate,
+                            "tokens_per_target_call": SpecMetrics.merge(ps).tokens_per_target_call,
+                            "prompts": sum(x.batch_size for x in ps)} for c, ps in cats.items()},
         "counters": {k: d[k] for k in ("target_calls", "row_rounds", "draft_calls", "proposed", "accepted",
                                        "rejections", "emitted", "tried_at", "accepted_at")},
-        "error": None,
     }
+
+
+def decoded_row(timed: Timed, base: Timed, es: EvalSet, bs: int, baseline_step: Optional[float], **info) -> dict:
+    """A row from decoding the timed subset: counters of the last repeat, median wall times."""
+    m = timed.metrics(bs)
+    m.baseline_target_step_s = baseline_step
+    parts = [r.metrics for r in timed.results]
+    cats: dict[str, list[SpecMetrics]] = {}
+    for b, res in zip(timed.batches, timed.results):
+        cats.setdefault(es.prompts[b[0]].category, []).append(res.metrics)
+    d = m.to_dict()
+    sp = measured_speedup(base, timed)
+    return {
+        **info, "eval_set": es.name, "temperature": m.temperature, "top_p": m.top_p, "batch_size": m.batch_size,
+        "draft_sampled": m.draft_sampled, "prompts": len(es.prompts), "timed_prompts": len(es.prompts),
+        "scored_by": "decoding", **counts_fields(m, parts, cats),
+        **{k: d[k] for k in ("cost_ratio", "predicted_speedup", "draft_step_s", "target_step_s")},
+        "teacher_forced_acceptance": None, "teacher_forced_acceptance_ci": None,
+        "tokens_per_s": m.emitted / sp["wall_time_s"] if sp["wall_time_s"] else None, **sp,
+        "draft_time_s": m.draft_time_s, "target_time_s": m.target_time_s, "prefill_time_s": m.prefill_time_s,
+        "verify_call_s": m.target_time_s / m.target_calls if m.target_calls else None,
+        "modeled_speedup": None, "modeled_speedup_ci": None, "modeled_speedup_timed": None,
+        "greedy_identical": None, "float_ties": [], "greedy_mismatches": [], "replay_check": None, "error": None,
+    }
+
+
+def replayed_row(parts: list[SpecMetrics], es: EvalSet, **info) -> dict:
+    """A greedy batch-1 row from replay over every prompt of the set; timing fields stay empty."""
+    m = SpecMetrics.merge(parts)
+    cats: dict[str, list[SpecMetrics]] = {}
+    for p, part in zip(es.prompts, parts):
+        cats.setdefault(p.category, []).append(part)
+    empty = ("cost_ratio", "predicted_speedup", "draft_step_s", "target_step_s", "tokens_per_s", "speedup",
+             "speedup_spread", "speedup_ci", "wall_time_s", "wall_times_s", "draft_time_s", "target_time_s",
+             "prefill_time_s", "verify_call_s", "modeled_speedup", "modeled_speedup_ci", "modeled_speedup_timed",
+             "greedy_identical", "replay_check", "teacher_forced_acceptance", "teacher_forced_acceptance_ci")
+    return {**info, "eval_set": es.name, "temperature": 0.0, "top_p": 1.0, "batch_size": 1, "draft_sampled": False,
+            "prompts": len(es.prompts), "timed_prompts": 0, "scored_by": "replay", **counts_fields(m, parts, cats),
+            **dict.fromkeys(empty), "float_ties": [], "greedy_mismatches": [], "error": None}
+
+
+def with_timing(row: dict, dec: dict, costs, prompt_tokens: list[int], parts: list[SpecMetrics],
+                timed_tokens: list[int], timed_parts: list[SpecMetrics]) -> dict:
+    """A replayed row plus what decoding the timed subset measured: costs, speedups, checks."""
+    keep = ("cost_ratio", "draft_step_s", "target_step_s", "tokens_per_s", "speedup", "speedup_spread", "speedup_ci",
+            "wall_time_s", "wall_times_s", "draft_time_s", "target_time_s", "prefill_time_s", "verify_call_s",
+            "greedy_identical", "float_ties", "greedy_mismatches", "timed_prompts")
+    row = {**row, **{k: dec[k] for k in keep}}
+    a, g, c = row["acceptance_rate"], row["mean_gamma"], row["cost_ratio"]
+    row["predicted_speedup"] = predicted_speedup(a, g, c) if None not in (a, g, c) else None
+    if costs is not None:
+        full = modeled_speedup(costs, prompt_tokens, parts)
+        row.update(modeled_speedup=full["value"], modeled_speedup_ci=full["ci"],
+                   modeled_speedup_timed=modeled_speedup(costs, timed_tokens, timed_parts)["value"])
+    return row
 
 
 def _hf_generate(target, ids: list[int], max_new: int, eos: int, pad: int, assistant=None) -> list[int]:
@@ -328,36 +318,34 @@ def _hf_generate(target, ids: list[int], max_new: int, eos: int, pad: int, assis
 
 
 @torch.inference_mode()
-def hf_assisted_rows(target, draft, name: str, path: Optional[str], es: EvalSet, e, eos: int, pad: int,
-                     bar) -> list[dict]:
-    """transformers assisted generation (batch 1, greedy, constant γ) vs transformers' plain generate."""
-    def timed(assistant):
+def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, gamma: int, max_new: int, e,
+                    eos: int, pad: int) -> dict:
+    """transformers assisted generation (batch 1, greedy, constant γ) vs transformers' plain generate, on the
+    timed subset."""
+    def decoder(assistant):
         def dec(batch, seed):
-            toks = _hf_generate(target, batch[0], e.max_new_tokens, eos, pad, assistant)
+            toks = _hf_generate(target, batch[0], max_new, eos, pad, assistant)
             return DecodeResult([toks], ["eos" if eos in toks else "length"])
         return dec
 
     gc = copy.deepcopy(draft.generation_config)
-    rows = []
-    for gamma in e.gammas:
-        bar.set_postfix_str(f"hf_assisted {es.name} γ={gamma}")
-        draft.generation_config.num_assistant_tokens = gamma
-        draft.generation_config.num_assistant_tokens_schedule = "constant"
-        draft.generation_config.assistant_confidence_threshold = 0.0  # never stop a draft block early
-        plain, run = _timed([timed(None), timed(draft)], es, 1, e.warmup, e.repeats, e.seed)
-        speedup, spread = _median_spread(plain.walls, run.walls)
-        emitted, plain_emitted = (sum(len(r.tokens[0]) for r in x.results) for x in (run, plain))
-        wall = statistics.median(run.walls)
-        rows.append({"name": "hf_assisted", "kind": "hf_assisted", "draft": path, "assistant": name,
-                     "eval_set": es.name, "temperature": 0.0, "top_p": 1.0, "gamma": gamma,
-                     "gamma_policy": "constant", "batch_size": 1, "draft_sampled": False, "prompts": len(es.prompts),
-                     "tokens_per_s": emitted / wall, "speedup": speedup, "speedup_spread": spread,
-                     "speedup_baseline": "transformers generate() without an assistant",
-                     "baseline_tokens_per_s": plain_emitted / statistics.median(plain.walls),
-                     "wall_time_s": wall, "wall_times_s": run.walls, "greedy_identical": None, "error": None})
-        bar.update(1)
-    draft.generation_config = gc
-    return rows
+    draft.generation_config.num_assistant_tokens = gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0  # never stop a draft block early
+    try:
+        plain, run = time_decoders([decoder(None), decoder(draft)], [p.ids for p in es.prompts], es.batches(1),
+                                   e.warmup, e.repeats, e.seed)
+    finally:
+        draft.generation_config = gc
+    sp = measured_speedup(plain, run)
+    emitted, plain_emitted = (sum(len(r.tokens[0]) for r in x.results) for x in (run, plain))
+    return {"name": "hf_assisted", "kind": "hf_assisted", "draft": path, "assistant": name, "eval_set": es.name,
+            "temperature": 0.0, "top_p": 1.0, "gamma": gamma, "gamma_policy": "constant", "batch_size": 1,
+            "draft_sampled": False, "prompts": len(es.prompts), "timed_prompts": len(es.prompts),
+            "scored_by": "decoding", "tokens_per_s": emitted / sp["wall_time_s"], **sp,
+            "speedup_baseline": "transformers generate() without an assistant",
+            "baseline_tokens_per_s": plain_emitted / (sp["wall_time_s"] * sp["speedup"]),
+            "greedy_identical": None, "error": None}
 
 
 # -- the stage ------------------------------------------------------------------------------------
@@ -411,6 +399,130 @@ def _current_report(out: Path, fp: dict[str, Any]) -> Optional[dict]:
     return report if report.get("fingerprint") == json.loads(json.dumps(fp)) else None
 
 
+class _Stage:
+    """What one evaluation run holds: the target, the candidates and their models, the settings."""
+
+    def __init__(self, cfg: DictConfig, target, tok, ok: list[dict], models: dict, draft_vocab, bar):
+        self.cfg, self.e, self.target, self.ok, self.models, self.draft_vocab, self.bar = (
+            cfg, cfg.evaluate, target, ok, models, draft_vocab, bar)
+        self.eos, self.pad, self.vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
+
+    def target_decode(self, temp: float, max_new: int):
+        return lambda batch, seed: autoregressive_generate(
+            self.target, batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p, seed=seed,
+            eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
+
+    def spec_decode(self, c: dict, gamma: int, temp: float, max_new: int):
+        model = self.models[c["name"]]
+        drafter = ModelDrafter(model, vocab=self.draft_vocab) if model is not None else PromptLookupDrafter()
+        dec = SpeculativeDecoder(self.target, drafter, gamma=gamma, gamma_policy=self.e.gamma_policy,
+                                 eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
+        return lambda batch, seed: dec.generate(batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p,
+                                                seed=seed)
+
+    def measure(self, es: EvalSet) -> list[dict]:
+        """Every row of one eval set (see the module docstring for what comes from where)."""
+        e, target, bar = self.e, self.target, self.bar
+        prompts, ids = [p.ids for p in es.prompts], [p.id for p in es.prompts]
+        lens = [len(p) for p in prompts]
+        temps = list(e.temperatures)
+        bar.set_postfix_str(f"{es.name}: the target's answers")
+        answers = {t: reference_answers(target, prompts, e.max_new_tokens, t, e.top_p if t else 1.0, e.seed, self.eos,
+                                        self.pad, self.vocab, e.reference_batch_size)
+                   for t in dict.fromkeys([0.0] + [t for t in temps if t > 0])}
+        y = answers[0.0]
+        # Greedy: one teacher-forced pass per model draft, then exact replay for every γ.
+        bar.set_postfix_str(f"{es.name}: replay")
+        proposals, agree, tie_prompts = {}, {}, {}
+        for c in self.ok:
+            model = self.models[c["name"]]
+            if model is None:
+                proposals[c["name"]] = [lookup_proposals(p, a) for p, a in zip(prompts, y)]
+                continue
+            tf = [draft_argmax(model, p, a, c["vocab"], self.draft_vocab) for p, a in zip(prompts, y)]
+            proposals[c["name"]] = [model_proposals(pred) for pred, _ in tf]
+            agree[c["name"]] = [(sum(x == t for x, t in zip(pred, a)), len(a)) for (pred, _), a in zip(tf, y)]
+            tie_prompts[c["name"]] = {pid for pid, (_, gap) in zip(ids, tf) if near_ties(gap, FLOAT_TIE_GAP)}
+        stop = {self.eos}
+        replayed = {(c["name"], g): [replay(a, prop, g, e.max_new_tokens, stop, e.gamma_policy)
+                                     for a, prop in zip(y, proposals[c["name"]])]
+                    for c in self.ok for g in e.gammas}
+        # A candidate that accepted nothing anywhere cannot beat the target alone: it is not timed.
+        timed_cands = [c for c in self.ok if any(m.accepted for g in e.gammas for m in replayed[(c["name"], g)])]
+        # The timed subset: decoded for real, at the timing budget.
+        tidx = round_robin(es.prompts, e.timed_prompts)
+        sub = es.subset(tidx)
+        tmax = min(e.timed_max_new_tokens or e.max_new_tokens, e.max_new_tokens)
+        y_t = [y[i][:tmax] for i in tidx]
+        rows: list[dict] = []
+        timed_rows: dict[tuple[str, int], dict] = {}
+        grid = [(bs, t) for bs in e.batch_sizes for t in temps] if tidx else []
+        for bs, t in grid:
+            specs = [(c, g) for c in timed_cands for g in e.gammas]
+            bar.set_postfix_str(f"{es.name} batch={bs} T={t:g}: target + {len(specs)} speculative, timed")
+            timed = time_decoders([self.target_decode(t, tmax)] + [self.spec_decode(c, g, t, tmax) for c, g in specs],
+                                  [p.ids for p in sub.prompts], sub.batches(bs), e.warmup, e.repeats, e.seed)
+            base = timed[0]
+            bm = base.metrics(bs)
+            if "target" in e.references:
+                row = decoded_row(base, base, sub, bs, None, name="target", kind="target", draft=None)
+                rows.append({**row, "prompts": len(es.prompts), "gamma": 0, "acceptance_rate": None,
+                             "acceptance_rate_ci": None, "per_position_acceptance": [], "by_category": {}})
+            for (c, g), run_ in zip(specs, timed[1:]):
+                row = decoded_row(run_, base, sub, bs, bm.target_step_s, name=c["name"], kind=c["kind"], draft=c["draft"])
+                if t == 0:
+                    bad, ties = greedy_check(target, [p.ids for p in sub.prompts], [p.id for p in sub.prompts],
+                                             y_t, run_.tokens(len(tidx)), self.vocab)
+                    row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
+                if t == 0 and bs == 1:
+                    timed_rows[(c["name"], g)] = {"row": row, "base": bm, "run": run_}
+                else:
+                    rows.append({**row, "prompts": len(es.prompts)})
+            bar.update(1)
+        # Greedy, batch 1: replay over every prompt, with the timed subset's costs and checks.
+        for c in self.ok:
+            for g in e.gammas:
+                parts = replayed[(c["name"], g)]
+                row = replayed_row(parts, es, name=c["name"], kind=c["kind"], draft=c["draft"])
+                tr = timed_rows.get((c["name"], g))
+                if tr is None:
+                    row["not_timed"] = ("nothing accepted on any prompt: it cannot beat the target alone"
+                                        if c not in timed_cands else "evaluate.timed_prompts=0 or no greedy batch-1 setting")
+                    rows.append(row)
+                    continue
+                decoded = [r.metrics for r in tr["run"].results]
+                props = [proposals[c["name"]][i] for i in tidx]
+                again = [replay(a, prop, g, tmax, stop, e.gamma_policy) for a, prop in zip(y_t, props)]
+                costs = costs_from(tr["base"], tr["run"].metrics(1), sum(len(p.ids) for p in sub.prompts))
+                row = with_timing(row, tr["row"], costs, lens, parts, [len(p.ids) for p in sub.prompts], again)
+                ties = tie_prompts.get(c["name"], set()) | {x["prompt_id"] for x in row["float_ties"]}
+                row["replay_check"] = replay_check([p.id for p in sub.prompts], again, decoded, ties)
+                rows.append(row)
+        # α_TF: greedy agreement over every prompt (from the replay's pass), sampled α_TF at T > 0.
+        for c in self.ok:
+            model = self.models[c["name"]]
+            if model is None:
+                continue
+            tf = {0.0: agree[c["name"]]}
+            for t in temps:
+                if t > 0:
+                    bar.set_postfix_str(f"{es.name}: α_TF of {c['name']} at T={t:g}")
+                    tf[t] = teacher_forced(target, model, prompts, answers[t], t, e.top_p, c["vocab"], self.draft_vocab)
+            for row in rows:
+                if row["name"] == c["name"] and row.get("temperature") in tf:
+                    parts = tf[row["temperature"]]
+                    n = sum(k for _, k in parts)
+                    row["teacher_forced_acceptance"] = sum(s for s, _ in parts) / n if n else None
+                    row["teacher_forced_acceptance_ci"] = bootstrap_ci([s for s, _ in parts], [k for _, k in parts])
+        return rows
+
+
+def _best_gamma(rows: list[dict], name: str, default: int) -> int:
+    scored = [r for r in rows if r["name"] == name and r.get("scored_by") == "replay"
+              and isinstance(r.get("modeled_speedup"), (int, float))]
+    return max(scored, key=lambda r: r["modeled_speedup"])["gamma"] if scored else default
+
+
 def run(cfg: DictConfig) -> dict:
     out = start_stage(cfg, "evaluate")
     e = cfg.evaluate
@@ -426,9 +538,8 @@ def run(cfg: DictConfig) -> dict:
     target, tok = _load_target(cfg)
     cands = _candidates(cfg, tok)
     sets = load_eval_sets(cfg, tok, target)
-    eos, pad, vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
+    vocab = shared_vocab_size(tok, target)
     draft_vocab = run_draft_vocab(cfg, vocab)  # None: the drafts' whole vocabulary
-    temps, grid = list(e.temperatures), [(bs, t) for bs in e.batch_sizes for t in e.temperatures]
     rows: list[dict] = []
     models: dict[str, Any] = {}  # candidate name -> loaded draft (None: prompt lookup)
     for c in cands:  # all loaded up front: every setting times all decoders side by side
@@ -456,61 +567,21 @@ def run(cfg: DictConfig) -> dict:
                               f"applied to the last hidden state; {bad} are not (logit scaling or soft-capping): "
                               "set model.draft_vocab=0")
     hf_draft = next((c for c in ok if c["kind"] == "model"), None) if "hf_assisted" in e.references else None
-    per_set = len(grid) * (("target" in e.references) + len(ok) * len(e.gammas)) + len(e.gammas) * bool(hf_draft)
-    total = len(sets) * per_set
-    bar = tqdm(total=total, desc="evaluate", unit="setting", file=sys.stderr)
-
-    def target_decode(temp):
-        return lambda batch, seed: autoregressive_generate(
-            target, batch, max_new_tokens=e.max_new_tokens, temperature=temp, top_p=e.top_p, seed=seed,
-            eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
-
-    def spec_decode(c: dict, gamma: int, temp: float):
-        model = models[c["name"]]
-        drafter = ModelDrafter(model, vocab=draft_vocab) if model is not None else PromptLookupDrafter()
-        dec = SpeculativeDecoder(target, drafter, gamma=gamma, gamma_policy=e.gamma_policy,
-                                 eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
-        return lambda batch, seed: dec.generate(batch, max_new_tokens=e.max_new_tokens, temperature=temp,
-                                                top_p=e.top_p, seed=seed)
-
+    per_set = len(e.batch_sizes) * len(e.temperatures) * bool(e.timed_prompts) + bool(hf_draft and e.timed_prompts)
+    bar = tqdm(total=len(sets) * per_set, desc="evaluate", unit="setting", file=sys.stderr)
+    stage = _Stage(cfg, target, tok, ok, models, draft_vocab, bar)
     hf_rows: list[dict] = []  # appended after the decoder's rows
     for es in sets:
-        # The target's own answers per temperature (greedy, or sampled at that temperature): α_TF is
-        # scored on them, i.e. on contexts distributed as the ones speculative decoding visits.
-        reference: dict[float, list[list[int]]] = {}
-        set_rows: list[dict] = []
-        for bs, t in grid:
-            # One interleaved timing of the target alone and every speculative decoder on the same batches.
-            specs = [(c, g) for c in ok for g in e.gammas]
-            bar.set_postfix_str(f"{es.name} batch={bs} T={t:g}: target + {len(specs)} speculative")
-            timed = _timed([target_decode(t)] + [spec_decode(c, g, t) for c, g in specs], es, bs, e.warmup,
-                           e.repeats, e.seed)
-            b = timed[0]
-            bm = merge_metrics([r.metrics for r in b.results], bs)
-            reference.setdefault(t, b.tokens(len(es.prompts)))
-            if "target" in e.references:
-                rows.append({**metrics_row(bm, b, b, es, name="target", kind="target", draft=None),
-                             "gamma": 0, "acceptance_rate": None, "per_position_acceptance": [], "by_category": {}})
-                bar.update(1)
-            for (c, gamma), run_ in zip(specs, timed[1:]):
-                m = merge_metrics([r.metrics for r in run_.results], bs)
-                m.baseline_target_step_s = bm.target_step_s
-                row = metrics_row(m, run_, b, es, name=c["name"], kind=c["kind"], draft=c["draft"])
-                if t == 0:
-                    n = len(es.prompts)
-                    bad, ties = greedy_check(target, es, b.tokens(n), run_.tokens(n), vocab)
-                    row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
-                set_rows.append(row)
-                bar.update(1)
-        tf = {(c["name"], t): teacher_forced(target, models[c["name"]], es, reference[t], [t], e.top_p, c["vocab"],
-                                                draft_vocab)[t]
-              for c in ok if models.get(c["name"]) is not None for t in temps}
-        for row in set_rows:
-            row["teacher_forced_acceptance"] = tf.get((row["name"], row["temperature"]))
+        set_rows = stage.measure(es)
         rows += set_rows
-        if hf_draft is not None:
-            hf_rows += hf_assisted_rows(target, models[hf_draft["name"]], hf_draft["name"], hf_draft["draft"],
-                                        es, e, eos, pad, bar)
+        if hf_draft is not None and e.timed_prompts:
+            gamma = _best_gamma(set_rows, hf_draft["name"], e.gammas[0])
+            bar.set_postfix_str(f"hf_assisted {es.name} γ={gamma}")
+            sub = es.subset(round_robin(es.prompts, e.timed_prompts))
+            tmax = min(e.timed_max_new_tokens or e.max_new_tokens, e.max_new_tokens)
+            hf_rows.append(hf_assisted_row(target, models[hf_draft["name"]], hf_draft["name"], hf_draft["draft"], sub,
+                                           gamma, tmax, e, stage.eos, stage.pad))
+            bar.update(1)
     bar.close()
     rows += hf_rows
 
@@ -520,8 +591,8 @@ def run(cfg: DictConfig) -> dict:
     report_mod.render(report, out)
     report_mod.print_summary(report)
     if not report["greedy_identical"]:
-        raise GreedyMismatch("speculative greedy output differs from the target's own greedy output (see "
-                             f"doctor in {out / 'report.json'}): a decoder bug")
+        raise GreedyMismatch("speculative greedy output differs from the target's own greedy output, or replayed "
+                             f"counts from decoded ones (see doctor in {out / 'report.json'}): a decoder bug")
     return {"report": str(out / "report.json"), "best": report["best"], "greedy_identical": True,
             "rows": len(rows)}
 
@@ -552,7 +623,10 @@ def build_report(cfg: DictConfig, rows: list[dict], sets: list[EvalSet], target)
                               for s in sets}}
     for name, n in trained_on(cfg, sets).items():
         settings["eval_sets"][name]["trained_on"] = n
+    for row in rows:
+        row["flagged"] = noise_flags(row, settings)
     checked = [r["greedy_identical"] for r in rows if r.get("greedy_identical") is not None]
+    checked += [r["replay_check"]["equal"] for r in rows if r.get("replay_check")]
     return {"target": str(cfg.model.target), "run_name": cfg.run_name, "settings": settings,
             "definitions": report_mod.DEFINITIONS, "rows": rows, "greedy_identical": all(checked),
             "best": report_mod.pick_best(rows, list(e.temperatures), list(e.batch_sizes), e.top_p),

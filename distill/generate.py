@@ -531,6 +531,8 @@ def in_domain_rows(cfg: DictConfig) -> list[dict]:
         return []
     rows = []
     for name, ecfg in cfg.eval_data.items():
+        if ecfg.get("turn", 1) != 1:  # second turns need the model's own first answers: evaluation only
+            continue
         mine = trainable_prompts(ecfg)
         log.info("in-domain: %d eval_data.%s prompts trained on (the others are held out)", len(mine), name)
         rows += mine

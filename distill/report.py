@@ -41,6 +41,18 @@ DEFINITIONS = {
                "generate() without an assistant)",
     "speedup_spread": "[median baseline ÷ slowest repeat, median baseline ÷ fastest repeat]",
     "predicted_speedup": "(1 − α^(γ+1)) ÷ ((1 − α)(γc + 1)) from this row's measured α, c and mean γ",
+    "scored_by": "replay: greedy α, τ and counters from exact replay over every prompt of the set (no decoding); "
+                 "decoding: from decoding the timed subset",
+    "modeled_speedup": "Σ over every prompt of the modeled target-alone time ÷ Σ of the modeled speculative time: "
+                       "replayed counts (tokens, rounds, draft steps) × costs measured on the timed subset (target "
+                       "step, verify call, draft step, prefill per prompt token); decoder bookkeeping not modeled",
+    "modeled_speedup_timed": "modeled_speedup over the timed subset only: the check of the model against `speedup`",
+    "speedup_ci": "95% percentile bootstrap interval over timed prompts (batches) of Σ median baseline wall ÷ Σ "
+                  "median wall; *_ci fields likewise over the prompts a number covers",
+    "replay_check": "replayed counters equal the decoded ones on every timed prompt (greedy, batch 1), except where a "
+                    "draft or target argmax is a float tie",
+    "flagged": "{field: why} for speedup numbers the measurement cannot support; never headlined or published",
+    "timed_prompts": "prompts decoded for real and timed (at settings.timed_max_new_tokens)",
     "expected_tokens_per_call": "(1 − α^(γ+1)) ÷ (1 − α): τ predicted from α for i.i.d. acceptance",
     "greedy_identical": "speculative greedy tokens equal the target-alone greedy tokens (same batch size) on "
                         "every prompt; a divergence where the target's top-2 logit gap < 1e-4 is a float tie "
@@ -87,11 +99,18 @@ def headline_setting(report: dict) -> tuple[float, int, Optional[int]]:
 
 
 # -- the headline ----------------------------------------------------------------------------------
+def headline_speedup(row: dict) -> Optional[float]:
+    """The number a row is ranked by: its modeled speedup over every prompt when there is one (replayed
+    counts, measured costs), else the speedup measured on the timed subset."""
+    v = row.get("modeled_speedup")
+    return v if isinstance(v, (int, float)) else row.get("speedup")
+
+
 def pick_best(rows: list[dict], temperatures: list[float], batch_sizes: list[int],
               top_p: float = 1.0) -> Optional[dict]:
-    """The draft (and γ) with the highest mean speedup over eval sets at the headline setting: greedy
-    if evaluated (else the first temperature), the smallest batch size. Distilled drafts first; init
-    only when there is no other."""
+    """The draft (and γ) with the highest mean headline speedup over eval sets at the headline setting:
+    greedy if evaluated (else the first temperature), the smallest batch size. Distilled drafts first;
+    init only when there is no other. `flagged` says which of its numbers must not be shown."""
     temp = 0.0 if 0.0 in temperatures else temperatures[0]
     bs = min(batch_sizes)
 
@@ -110,17 +129,26 @@ def pick_best(rows: list[dict], temperatures: list[float], batch_sizes: list[int
     scored = {}
     for key in dict.fromkeys((r["name"], r["gamma"]) for r in pool):
         rs = [r for r in pool if (r["name"], r["gamma"]) == key]
-        scored[key] = (mean(rs, "speedup") or 0.0, rs)
-    (name, gamma), (speedup, rs) = max(scored.items(), key=lambda kv: kv[1][0])
+        vals = [headline_speedup(r) for r in rs if isinstance(headline_speedup(r), (int, float))]
+        scored[key] = (sum(vals) / len(vals) if vals else 0.0, rs)
+    (name, gamma), (_, rs) = max(scored.items(), key=lambda kv: kv[1][0])
 
-    def ref(kind, nm=None):
-        return mean([r for r in at(kind, nm) if r["gamma"] == gamma], "speedup")
+    def ref(kind, nm=None):  # measured on the same timed prompts; flagged numbers are left out
+        return mean([r for r in at(kind, nm) if (kind == "hf_assisted" or r["gamma"] == gamma)
+                     and "speedup" not in (r.get("flagged") or {})], "speedup")
 
+    flagged: dict[str, list[str]] = {}
+    for r in rs:
+        for k, why in (r.get("flagged") or {}).items():
+            flagged.setdefault(k, []).append(f"{r['eval_set']}: {why}")
     return {"name": name, "draft": rs[0]["draft"], "gamma": gamma, "temperature": temp, "top_p": top_p,
-            "batch_size": bs, "eval_sets": [r["eval_set"] for r in rs], "speedup": speedup,
+            "batch_size": bs, "eval_sets": [r["eval_set"] for r in rs], "speedup": mean(rs, "speedup"),
             **{k: mean(rs, k) for k in ("acceptance_rate", "teacher_forced_acceptance", "tokens_per_target_call",
-                                        "draft_acceptance_ratio", "cost_ratio", "predicted_speedup", "tokens_per_s")},
-            "speedup_by_set": {r["eval_set"]: r["speedup"] for r in rs},
+                                        "draft_acceptance_ratio", "cost_ratio", "predicted_speedup", "tokens_per_s",
+                                        "modeled_speedup")},
+            "speedup_by_set": {r["eval_set"]: r.get("speedup") for r in rs},
+            "modeled_speedup_by_set": {r["eval_set"]: r.get("modeled_speedup") for r in rs},
+            "flagged": flagged,
             "init_speedup": ref("model", "init") if name != "init" else None,
             "prompt_lookup_speedup": ref("prompt_lookup"),
             "hf_assisted_speedup": ref("hf_assisted") if temp == 0 and bs == 1 else None,
@@ -129,8 +157,21 @@ def pick_best(rows: list[dict], temperatures: list[float], batch_sizes: list[int
 
 
 # -- tables ----------------------------------------------------------------------------------------
-COLUMNS = ["draft", "set", "sampling", "γ", "batch", "α", "α_TF", "acc/prop", "τ", "c", "tokens/s",
-           "speedup [min–max]", "predicted", "greedy identical"]
+COLUMNS = ["draft", "set", "sampling", "γ", "batch", "prompts (timed)", "α [95% CI]", "α_TF", "τ", "c", "tokens/s",
+           "speedup [95% CI]", "modeled [95% CI]", "greedy identical"]
+
+
+def _ci(x: Any, ci: Any, digits: int = 2, suffix: str = "") -> str:
+    if not isinstance(x, (int, float)):
+        return "–"
+    return _f(x, digits, suffix) + (f" [{_f(ci[0], digits)}–{_f(ci[1], digits)}]" if ci else "")
+
+
+def shown(row: dict, key: str, digits: int = 2) -> str:
+    """A speedup cell: the number with its interval, or "n.s." when the doctor flagged it."""
+    if key in (row.get("flagged") or {}):
+        return "n.s."
+    return _ci(row.get(key), row.get(f"{key}_ci"), digits, "×")
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -140,13 +181,15 @@ def table_rows(report: dict) -> list[list[str]]:
         ties = len(r.get("float_ties") or [])
         gi_s = "–" if gi is None else ("yes" if gi else "NO")
         gi_s += f" ({ties} float tie{'s' * (ties > 1)})" if ties else ""
-        lo, hi = (r.get("speedup_spread") or [None, None])[:2]
+        check = r.get("replay_check")
+        if check:
+            gi_s += "; replay = decoded" if check.get("equal") else "; REPLAY ≠ DECODED"
         out.append([
             r["name"], str(r.get("eval_set")), _sampling(r.get("temperature"), r.get("top_p")),
-            str(r.get("gamma", "–")), str(r.get("batch_size")), _f(r.get("acceptance_rate")),
-            _f(r.get("teacher_forced_acceptance")), _f(r.get("draft_acceptance_ratio")),
-            _f(r.get("tokens_per_target_call")), _f(r.get("cost_ratio"), 3), _f(r.get("tokens_per_s"), 1),
-            f"{_f(r.get('speedup'), 2, '×')} [{_f(lo)}–{_f(hi)}]", _f(r.get("predicted_speedup"), 2, "×"), gi_s,
+            str(r.get("gamma", "–")), str(r.get("batch_size")), f"{r.get('prompts', '–')} ({r.get('timed_prompts', 0)})",
+            _ci(r.get("acceptance_rate"), r.get("acceptance_rate_ci")),
+            _f(r.get("teacher_forced_acceptance")), _f(r.get("tokens_per_target_call")), _f(r.get("cost_ratio"), 3),
+            _f(r.get("tokens_per_s"), 1), shown(r, "speedup"), shown(r, "modeled_speedup"), gi_s,
         ])
     return out
 
@@ -181,19 +224,26 @@ def headline(report: dict) -> str:
     b = report.get("best")
     if not b:
         return "No draft was evaluated (only references or errors)."
-    parts = [f"**Best draft: `{b['name']}`**" + (f" (`{b['draft']}`)" if b.get("draft") else ""),
-             f"**{_f(b.get('speedup'), 2, '×')} speedup** over the target alone "
-             f"(γ = {b['gamma']}, {_sampling(b['temperature'], b.get('top_p'))}, batch {b['batch_size']}; "
-             f"mean over {', '.join(b.get('eval_sets', []))})",
-             f"α = {_f(b.get('acceptance_rate'))}, α_TF = {_f(b.get('teacher_forced_acceptance'))}, "
-             f"τ = {_f(b.get('tokens_per_target_call'))}, c = {_f(b.get('cost_ratio'), 3)}, "
-             f"predicted {_f(b.get('predicted_speedup'), 2, '×')}"]
+    flagged = b.get("flagged") or {}
+    setting = (f"γ = {b['gamma']}, {_sampling(b['temperature'], b.get('top_p'))}, batch {b['batch_size']}; "
+               f"mean over {', '.join(b.get('eval_sets', []))}")
+    name = f"**Best draft: `{b['name']}`**" + (f" (`{b['draft']}`)" if b.get("draft") else "")
+    speeds = []
+    if isinstance(b.get("modeled_speedup"), (int, float)) and "modeled_speedup" not in flagged:
+        speeds.append(f"**{_f(b['modeled_speedup'], 2, '×')} modeled speedup** over every prompt")
+    if isinstance(b.get("speedup"), (int, float)) and "speedup" not in flagged:
+        speeds.append(f"{_f(b['speedup'], 2, '×')} measured on the timed prompts")
+    text = name + ": " + ("; ".join(speeds) if speeds else
+                          "**no speedup over the target alone that the measurement can support**") + f" ({setting}). "
+    text += (f"α = {_f(b.get('acceptance_rate'))}, α_TF = {_f(b.get('teacher_forced_acceptance'))}, "
+             f"τ = {_f(b.get('tokens_per_target_call'))}, c = {_f(b.get('cost_ratio'), 3)}.")
+    if flagged:
+        text += " Not shown: " + "; ".join(f"{k} ({'; '.join(v)})" for k, v in flagged.items()) + "."
     names = (("undistilled init", "init_speedup"), ("prompt lookup", "prompt_lookup_speedup"),
              ("transformers assisted generation, same draft", "hf_assisted_speedup"))
     refs = [(k, b[key]) for k, key in names if b.get(key) is not None]
-    text = parts[0] + ": " + parts[1] + ". " + parts[2] + "."
-    if refs:
-        text += " For comparison: " + "; ".join(f"{k} {_f(v, 2, '×')}" for k, v in refs) + "."
+    if refs and speeds:
+        text += " Measured on the same timed prompts: " + "; ".join(f"{k} {_f(v, 2, '×')}" for k, v in refs) + "."
     return text
 
 

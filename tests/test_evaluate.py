@@ -95,10 +95,13 @@ def test_report_carries_the_decoders_counters(run_root, monkeypatch):
         return out
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", scripted)
-    evaluate.run(make_cfg(run_root, f"evaluate.drafts=[{run_root}/runs/r/distill/checkpoint-2]"))
+    # sampled rows are measured by decoding the timed prompts (greedy ones by replay, below)
+    evaluate.run(make_cfg(run_root, f"evaluate.drafts=[{run_root}/runs/r/distill/checkpoint-2]",
+                          "evaluate.temperatures=[1.0]", "evaluate.timed_prompts=2"))
     report = read_report(run_root)
-    (row,) = rows_of(report, "checkpoint-2")
-    batches = row["prompts"]  # batch size 1: one scripted metrics object per prompt
+    (row,) = [r for r in rows_of(report, "checkpoint-2") if r["temperature"] == 1.0]
+    assert row["scored_by"] == "decoding"
+    batches = row["timed_prompts"]  # batch size 1: one scripted metrics object per prompt
     accepted, tried, proposed = 6, 6 + 3, 12
     assert row["acceptance_rate"] == pytest.approx(accepted / tried)
     assert row["draft_acceptance_ratio"] == pytest.approx(accepted / proposed)
@@ -121,6 +124,38 @@ def test_report_carries_the_decoders_counters(run_root, monkeypatch):
     assert set(report) >= {"target", "settings", "definitions", "rows", "greedy_identical", "best", "doctor"}
 
 
+def test_replay_check_catches_counts_that_decoding_did_not_produce(run_root, monkeypatch, capsys):
+    real = SpeculativeDecoder.generate
+
+    def off_by_one(self, *a, **kw):  # a decoder that miscounts one acceptance
+        out = real(self, *a, **kw)
+        out.metrics.accepted += 1
+        return out
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", off_by_one)
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main_cli(make_cfg(run_root, f"evaluate.drafts=[{run_root}/runs/r/distill/checkpoint-2]"))
+    assert exc.value.code == evaluate.EXIT_GREEDY_MISMATCH
+    report = read_report(run_root)
+    (row,) = rows_of(report, "checkpoint-2")
+    assert row["replay_check"]["equal"] is False and not report["greedy_identical"]
+    assert any(d["rule"] == "replay_mismatch" for d in report["doctor"])
+
+
+def test_replayed_counts_equal_decoded_counts_on_the_timed_prompts(run_root):
+    evaluate.run(make_cfg(run_root, f"evaluate.drafts=[{run_root}/runs/r/distill/checkpoint-2]",
+                          "evaluate.timed_prompts=2", "evaluate.timed_max_new_tokens=null", "evaluate.gammas=[1,3]"))
+    report = read_report(run_root)
+    rows = [r for r in report["rows"] if r.get("replay_check")]
+    assert {r["name"] for r in rows} == {"checkpoint-2"} and len(rows) == 2
+    for r in rows:
+        assert r["replay_check"]["equal"] and r["replay_check"]["prompts"] == 2, r["replay_check"]
+        assert r["scored_by"] == "replay" and r["prompts"] == 2 and r["timed_prompts"] == 2
+        # at full length on every prompt the replayed counters are the decoded ones, so they are the row's
+        lo, hi = r["acceptance_rate_ci"]
+        assert lo <= r["acceptance_rate"] <= hi
+
+
 def test_all_references_sampling_and_plots(run_root):
     cfg = make_cfg(run_root, "evaluate.drafts=[checkpoints]", "evaluate.temperatures=[0.0,1.0]",
                    "evaluate.gammas=[1,2]", "evaluate.references=[target,init,prompt_lookup,hf_assisted]",
@@ -130,13 +165,20 @@ def test_all_references_sampling_and_plots(run_root):
     names = list(dict.fromkeys(r["name"] for r in report["rows"]))
     assert names == ["target", "checkpoint-2", "checkpoint-10", "init", "prompt_lookup", "hf_assisted"]
     hf = rows_of(report, "hf_assisted")
-    assert [r["gamma"] for r in hf] == [1, 2] and all(r["batch_size"] == 1 and r["temperature"] == 0 for r in hf)
+    # one transformers reference per set, at the γ where the first draft's modeled speedup is highest
+    assert len(hf) == 1 and all(r["batch_size"] == 1 and r["temperature"] == 0 for r in hf)
+    first = [r for r in rows_of(report, "checkpoint-2") if r["scored_by"] == "replay"]
+    assert hf[0]["gamma"] == max(first, key=lambda r: r["modeled_speedup"])["gamma"]
     assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 for r in hf)
     sampled = [r for r in report["rows"] if r["temperature"] == 1.0 and r["kind"] == "model"]
     assert sampled and all(r["greedy_identical"] is None and r["draft_sampled"] for r in sampled)
     assert all(r["teacher_forced_acceptance"] is not None for r in sampled)
-    assert all(r["greedy_identical"] for r in report["rows"] if r["kind"] in ("model", "prompt_lookup")
-               and r["temperature"] == 0)
+    greedy = [r for r in report["rows"] if r["kind"] in ("model", "prompt_lookup") and r["temperature"] == 0]
+    assert all(r["greedy_identical"] for r in greedy if r["timed_prompts"])
+    # a candidate that accepted nothing on any prompt is replayed but not timed: no speedup to show
+    for r in greedy:
+        if not r["timed_prompts"]:
+            assert r["not_timed"] and r["speedup"] is None and r["counters"]["accepted"] == 0
     assert report["best"]["name"] in ("checkpoint-2", "checkpoint-10")
     out = run_root / "runs" / "r" / "evaluate"
     for p in ("per_position_acceptance", "speedup_vs_gamma", "acceptance_by_category", "accepted_length_histogram"):
@@ -248,7 +290,8 @@ class FixedLogits(torch.nn.Module):
 def test_greedy_divergence_is_a_float_tie_only_below_the_gap(gap, tie):
     es = evaluate.EvalSet("s", [evaluate.Prompt("p0", "c", [1, 2]), evaluate.Prompt("p1", "c", [3])], 0)
     reference, got = [[5, 5, 5], [5, 5]], [[5, 6, 6], [5, 5]]
-    bad, ties = evaluate.greedy_check(FixedLogits(gap), es, reference, got, vocab=10)
+    bad, ties = evaluate.greedy_check(FixedLogits(gap), [p.ids for p in es.prompts], [p.id for p in es.prompts],
+                                      reference, got, vocab=10)
     found = ties if tie else bad
     assert (bad if tie else ties) == [] and len(found) == 1
     assert found[0]["prompt_id"] == "p0" and found[0]["position"] == 1
@@ -312,7 +355,7 @@ def test_draft_vocabulary_with_a_draft_that_cannot_use_it_stops_before_timing(ru
 
     write_generated(run_root / "runs" / "r", [[5, 6, 7]])
     monkeypatch.setattr(KVModel, "_check_lazy_head", lambda self: False)  # e.g. soft-capped logits
-    monkeypatch.setattr(evaluate, "_timed", lambda *a, **k: pytest.fail("timed a draft it had to refuse"))
+    monkeypatch.setattr(evaluate, "time_decoders", lambda *a, **k: pytest.fail("timed a draft it had to refuse"))
     with pytest.raises(ConfigError, match="set model.draft_vocab=0"):
         evaluate.run(make_cfg(run_root, "model.draft_vocab=50"))
 

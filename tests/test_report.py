@@ -126,7 +126,7 @@ def test_render_writes_markdown_and_nonempty_plots(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     md = (tmp_path / "report.md").read_text()
     assert paths["report.md"] == str(tmp_path / "report.md")
-    assert "**Best draft: `best`**" in md and "2.20× speedup" in md and "transformers assisted generation" in md
+    assert "**Best draft: `best`**" in md and "2.20× measured on the timed prompts" in md and "transformers assisted generation" in md
     assert "| draft | mt_bench/writing | mt_bench/math | humaneval |" in md
     assert "| init | 0.20 | – | – |" in md
     assert "Not evaluated" in md and "checkpoint-5" in md and "low_acceptance" in md
@@ -148,7 +148,7 @@ def test_cli_rerenders_a_report(tmp_path, capsys):
     path.write_text(json.dumps(crafted_report()))
     rpt.main([str(path)])
     out = capsys.readouterr().out
-    assert (path.parent / "report.md").is_file() and "speedup [min–max]" in out and "Best draft: best" in out
+    assert (path.parent / "report.md").is_file() and "speedup [95% CI]" in out and "Best draft: best" in out
     with pytest.raises(SystemExit) as exc:
         rpt.main([str(tmp_path / "missing.json")])
     assert exc.value.code == 2
@@ -159,3 +159,37 @@ def test_summary_shows_greedy_failure(capsys):
     rep["greedy_identical"] = False
     rpt.print_summary(rep)
     assert "GREEDY MISMATCH" in capsys.readouterr().out
+
+
+def test_noise_rules_flag_speedups_the_measurement_cannot_support():
+    from distill.doctor import noise_flags
+
+    ok = {"repeats": 3, "warmup": 1}
+    clean = row(speedup=1.3, speedup_ci=[1.2, 1.4], modeled_speedup=1.25, modeled_speedup_ci=[1.1, 1.4],
+                modeled_speedup_timed=1.28, tokens_per_target_call=1.6)
+    assert noise_flags(clean, ok) == {}
+    assert set(noise_flags({**clean, "speedup_ci": [0.9, 1.4]}, ok)) == {"speedup"}
+    assert set(noise_flags({**clean, "modeled_speedup_ci": [0.95, 1.3]}, ok)) == {"modeled_speedup"}
+    assert "1.2 × the modeled" in noise_flags({**clean, "speedup": 1.6, "speedup_ci": [1.5, 1.7]}, ok)["speedup"]
+    no_acc = noise_flags({**clean, "tokens_per_target_call": 1.0}, ok)
+    assert set(no_acc) == {"speedup", "modeled_speedup"} and "nothing was accepted" in no_acc["speedup"]
+    short = noise_flags(clean, {"repeats": 1, "warmup": 0})
+    assert set(short) == {"speedup", "modeled_speedup"} and "evaluate.repeats" in short["speedup"]
+    assert noise_flags(row(name="target", kind="target", speedup=1.0, speedup_ci=[1.0, 1.0]), ok) == {}
+    # the doctor reports each flagged number as noise
+    assert "noise" in rules([{**clean, "flagged": noise_flags({**clean, "speedup_ci": [0.9, 1.4]}, ok)}])
+
+
+def test_headline_never_shows_a_flagged_number():
+    report = crafted_report()
+    flagged = {"speedup": "its 95% interval [0.93, 3.10] includes 1"}
+    report["best"] = {**report["best"], "speedup": 2.2, "flagged": flagged}
+    text = rpt.headline(report)
+    assert "2.20" not in text and "no speedup over the target alone that the measurement can support" in text
+    assert "prompt lookup" not in text  # no comparison against a number that is not shown
+    report["best"]["modeled_speedup"] = 1.37
+    text = rpt.headline(report)
+    assert "1.37× modeled speedup" in text and "2.20" not in text
+    cells = rpt.table_rows({**report, "rows": [row(speedup=2.2, flagged=flagged, modeled_speedup=1.37)]})
+    assert cells[0][rpt.COLUMNS.index("speedup [95% CI]")] == "n.s."
+    assert cells[0][rpt.COLUMNS.index("modeled [95% CI]")] == "1.37×"

@@ -1,0 +1,205 @@
+"""How the evaluate stage measures: reference answers, exact replay, timing, the cost model, intervals.
+
+    from distill.measure import reference_answers, time_decoders, costs_from, modeled_speedup
+
+Three kinds of number, each from the cheapest measurement that is exact (docs/architecture.md,
+"Evaluation"):
+- greedy α, τ and every counter: exact replay (specdec/replay.py) over every prompt of a set at
+  full length, from the target's own greedy answers and one teacher-forced pass of each draft;
+- costs (one target step, one verify call, one draft step, prefill per prompt token): decoding a
+  small timed subset, warm-up excluded, repeats interleaved so drift hits every decoder alike;
+- speedup: measured end to end on the timed subset, and modeled on every prompt from the replayed
+  counts and the measured costs (`modeled_speedup`); the two are compared on the timed subset.
+Intervals are percentile bootstraps over prompts (specdec.metrics.bootstrap_ci).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from specdec.decoder import DecodeResult, autoregressive_generate
+from specdec.metrics import SpecMetrics, bootstrap_ci, teacher_forced_acceptance
+from specdec.sampling import SamplingParams, logits_to_probs
+
+FLOAT_TIE_GAP = 1e-4  # docs/architecture.md, "Lossless means lossless"
+Decode = Callable[[list[list[int]], int], DecodeResult]  # (batch of prompts, seed) -> result
+
+
+# -- the target's own answers ---------------------------------------------------------------------
+def reference_answers(target, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
+                      seed: int, eos: int, pad: int, vocab: int, batch_size: int, bar=None) -> list[list[int]]:
+    """The target's answers to every prompt, decoded in batches of similar-length prompts (greedy:
+    the answers speculative greedy decoding must reproduce; sampled: contexts for α_TF)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for j in range(0, len(order), batch_size):
+        idx = order[j : j + batch_size]
+        res = autoregressive_generate(target, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, seed=seed + j, eos_token_id=eos,
+                                      pad_token_id=pad, vocab_size=vocab)
+        for i, toks in zip(idx, res.tokens):
+            out[i] = toks
+        if bar is not None:
+            bar.update(len(idx))
+    return out
+
+
+# -- timing ---------------------------------------------------------------------------------------
+@dataclass
+class Timed:
+    """One decoder's timed runs over the timed subset."""
+
+    walls: list[list[float]]  # [repeat][batch] seconds
+    results: list[DecodeResult]  # per batch, from the last repeat
+    batches: list[list[int]]  # indices into the timed prompts
+
+    def totals(self) -> list[float]:
+        return [sum(w) for w in self.walls]
+
+    def batch_medians(self) -> list[float]:
+        return [statistics.median(w[b] for w in self.walls) for b in range(len(self.batches))]
+
+    def tokens(self, n: int) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(n)]
+        for b, res in zip(self.batches, self.results):
+            for i, toks in zip(b, res.tokens):
+                out[i] = toks
+        return out
+
+    def metrics(self, batch_size: int) -> SpecMetrics:
+        return SpecMetrics.merge([r.metrics for r in self.results], batch_size)
+
+
+def time_decoders(decoders: list[Decode], prompts: list[list[int]], batches: list[list[int]], warmup: int,
+                  repeats: int, seed: int) -> list[Timed]:
+    """Warm each decoder up on the first batch (untimed), then time `repeats` passes over every batch,
+    interleaved (repeat r runs every decoder in turn) so drift on a shared machine hits all alike."""
+    for decode in decoders:
+        for _ in range(warmup):
+            decode([prompts[i] for i in batches[0]], seed)
+    out = [Timed([], [], batches) for _ in decoders]
+    for _ in range(repeats):
+        for decode, t in zip(decoders, out):
+            walls, results = [], []
+            for j, b in enumerate(batches):
+                t0 = time.perf_counter()
+                results.append(decode([prompts[i] for i in b], seed + j))
+                walls.append(time.perf_counter() - t0)
+            t.walls.append(walls)
+            t.results = results
+    return out
+
+
+def measured_speedup(base: Timed, spec: Timed) -> dict:
+    """Median total wall of the baseline ÷ the decoder's, the spread over repeats, and a bootstrap
+    interval over batches (prompts at batch 1) of Σ median baseline wall ÷ Σ median wall."""
+    mb, ms = statistics.median(base.totals()), statistics.median(spec.totals())
+    return {"speedup": mb / ms, "speedup_spread": [mb / max(spec.totals()), mb / min(spec.totals())],
+            "speedup_ci": bootstrap_ci(base.batch_medians(), spec.batch_medians()), "wall_time_s": ms,
+            "wall_times_s": spec.totals()}
+
+
+# -- the cost model -------------------------------------------------------------------------------
+@dataclass
+class Costs:
+    """Seconds per unit, measured on the timed subset (last repeat's counters and timers)."""
+
+    target_step_s: float  # one target-alone decoding step
+    target_prefill_s: float  # target-alone prefill, per prompt token
+    verify_call_s: float  # one target verify call of the speculative run
+    draft_step_s: float  # one draft step (a forward pass, or a lookup)
+    spec_prefill_s: float  # the speculative run's prefill (target and drafter), per prompt token
+
+    def times(self, prompt_tokens: int, m: SpecMetrics) -> tuple[float, float]:
+        """(target alone, speculative) seconds for one prompt whose replay gave the counters m. Only
+        forward passes, lookups and prefill are modeled: the decoder's bookkeeping is not, which is
+        what the comparison with the measured speedup checks."""
+        base = self.target_prefill_s * prompt_tokens + self.target_step_s * m.emitted
+        spec = self.spec_prefill_s * prompt_tokens + self.verify_call_s * m.target_calls + self.draft_step_s * m.draft_calls
+        return base, spec
+
+
+def costs_from(base: SpecMetrics, spec: SpecMetrics, prompt_tokens: int) -> Optional[Costs]:
+    """Costs from the timed target-alone and speculative runs over prompts of `prompt_tokens` in all."""
+    if not (base.target_calls and spec.target_calls and prompt_tokens):
+        return None
+    return Costs(base.target_time_s / base.target_calls, base.prefill_time_s / prompt_tokens,
+                 spec.target_time_s / spec.target_calls,
+                 spec.draft_time_s / spec.draft_calls if spec.draft_calls else 0.0, spec.prefill_time_s / prompt_tokens)
+
+
+def modeled_speedup(costs: Costs, prompt_tokens: Sequence[int], parts: Sequence[SpecMetrics]) -> dict:
+    """Σ modeled target-alone time ÷ Σ modeled speculative time over prompts, with a bootstrap interval."""
+    times = [costs.times(n, m) for n, m in zip(prompt_tokens, parts)]
+    base, spec = [t[0] for t in times], [t[1] for t in times]
+    return {"value": sum(base) / sum(spec) if sum(spec) else None, "ci": bootstrap_ci(base, spec)}
+
+
+# -- correctness ----------------------------------------------------------------------------------
+def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return j if j is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def greedy_check(target, prompts: list[list[int]], ids: list[str], reference: list[list[int]],
+                 got: list[list[int]], vocab: int) -> tuple[list[dict], list[dict]]:
+    """(mismatches, float ties): per prompt, the first position where speculative greedy tokens
+    differ from the target's, with the target's top-2 logit gap there (a tie if < FLOAT_TIE_GAP)."""
+    bad, ties = [], []
+    dev = next(target.parameters()).device
+    for p, pid, ref, out in zip(prompts, ids, reference, got):
+        j = first_divergence(ref, out)
+        if j is None:
+            continue
+        logits = target(torch.tensor([p + ref[:j]], device=dev)).logits[0, -1, :vocab].float()  # [V]
+        top = logits.topk(2).values
+        gap = float(top[0] - top[1])
+        item = {"prompt_id": pid, "position": j, "gap": gap,
+                "expected": ref[j] if j < len(ref) else None, "got": out[j] if j < len(out) else None}
+        (ties if gap < FLOAT_TIE_GAP else bad).append(item)
+    return bad, ties
+
+
+COUNTERS = ("target_calls", "proposed", "accepted", "rejections", "emitted", "tried_at", "accepted_at")
+
+
+def replay_check(ids: list[str], replayed: list[SpecMetrics], decoded: list[SpecMetrics],
+                 tie_prompts: set[str]) -> dict:
+    """Replayed counters against decoded ones, prompt by prompt (batch 1): equal, or a float tie
+    explains the difference (a near-tie argmax of draft or target on that prompt)."""
+    mismatches, ties = [], []
+    for pid, r, d in zip(ids, replayed, decoded):
+        diff = {k: [getattr(r, k), getattr(d, k)] for k in COUNTERS if getattr(r, k) != getattr(d, k)}
+        if diff:
+            (ties if pid in tie_prompts else mismatches).append({"prompt_id": pid, "replayed_vs_decoded": diff})
+    return {"prompts": len(ids), "equal": not mismatches, "float_ties": ties, "mismatches": mismatches}
+
+
+# -- α_TF at a temperature ------------------------------------------------------------------------
+@torch.inference_mode()
+def teacher_forced(target, draft, prompts: list[list[int]], answers: list[list[int]], temperature: float,
+                   top_p: float, vocab: int, draft_vocab: Optional[torch.Tensor] = None) -> list[tuple[float, int]]:
+    """Per prompt (Σ over answer positions of Σ_x min(p, q), positions): α_TF's parts. With a draft
+    vocabulary, q is the draft's distribution over those ids (zero elsewhere), as decoded."""
+    dev = next(target.parameters()).device
+    params = SamplingParams(temperature, 0, top_p)
+    out = []
+    for p, resp in zip(prompts, answers):
+        if not resp:
+            out.append((0.0, 0))
+            continue
+        ids = torch.tensor([p + resp], device=dev)
+        span = slice(len(p) - 1, len(p) - 1 + len(resp))  # positions that predict the response
+        tl, dl = target(ids).logits[0, span, :vocab], draft(ids).logits[0, span, :vocab]  # [n, V]
+        if draft_vocab is None:
+            q = logits_to_probs(dl, params)
+        else:
+            sub = draft_vocab.to(dl.device)
+            q = torch.zeros_like(dl).index_copy_(1, sub, logits_to_probs(dl[:, sub], params))  # [n, V]
+        out.append((teacher_forced_acceptance(logits_to_probs(tl, params), q) * len(resp), len(resp)))
+    return out
