@@ -40,6 +40,7 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from distill import report as report_mod
 from distill.config import STAGES, ConfigError, run_dir, validate
 from distill.publish import fmt_num, pick
 from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
@@ -52,7 +53,8 @@ MODULES = {"generate": "distill.generate", "distill": "distill.train", "evaluate
 # report row name -> label, in table order
 ROWS = {"target": "target alone", "init": "undistilled draft (init)", "best": "distilled draft (best)",
         "hf_assisted": "HF assisted generation", "prompt_lookup": "prompt lookup (no draft)"}
-HEADERS = ["eval set", "decoding", "γ", "α", "τ", "tokens/s", "speedup"]
+HEADERS = ["eval set", "decoding", "γ", "prompts (timed)", "α [95% CI]", "τ", "tokens/s", "speedup [95% CI]",
+           "modeled [95% CI]"]
 
 
 # ---------------------------------------------------------------- Hydra multirun
@@ -123,8 +125,10 @@ def table_cells(rows: list[dict], draft: str = "best") -> list[list[str]]:
         if r["name"] == "hf_assisted" and r.get("assistant"):
             label += f" ({r['assistant']})"
         out.append([str(r["eval_set"]), label, "–" if r["kind"] == "target" else str(r.get("gamma")),
-                    fmt_num(r.get("acceptance_rate"), ".3f"), fmt_num(r.get("tokens_per_target_call"), ".2f"),
-                    fmt_num(r.get("tokens_per_s"), ".1f"), fmt_num(r.get("speedup"), ".2f", "×")])
+                    f"{r.get('prompts', '–')} ({r.get('timed_prompts', 0)})",
+                    report_mod.ci_cell(r.get("acceptance_rate"), r.get("acceptance_rate_ci"), 3),
+                    fmt_num(r.get("tokens_per_target_call"), ".2f"), fmt_num(r.get("tokens_per_s"), ".1f"),
+                    report_mod.shown(r, "speedup"), report_mod.shown(r, "modeled_speedup")])
     return out
 
 
@@ -148,8 +152,10 @@ def results_markdown(cfg: DictConfig, report: dict, summary: Optional[dict], hc)
         f"draft's), max_new_tokens {st.get('max_new_tokens')}{device}. From `{rd}/evaluate/report.json` "
         f"(every setting and definition is there; `report.md` beside it has the full table).", "",
         markdown_table(HEADERS, cells), "",
-        "α: accepted ÷ tried draft tokens; τ: tokens per target call; speedup: target-alone wall time ÷ this row's "
-        "(HF assisted generation: ÷ transformers generate() without an assistant).",
+        "α: accepted ÷ tried draft tokens; τ: tokens per target call (both by exact replay over every prompt); "
+        "speedup: target-alone wall time ÷ this row's on the timed prompts (HF assisted generation: ÷ transformers "
+        "generate() without an assistant); modeled: replayed counts of every prompt × measured costs; [95% bootstrap "
+        "intervals over prompts]; n.s.: a number the measurement cannot support (see report.md's doctor).",
     ]
     if summary:
         i, b = (pick(summary, f"{k}_teacher_forced_acceptance", f"{k}.teacher_forced_acceptance") for k in ("init", "best"))
@@ -170,7 +176,7 @@ def write_if_changed(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- sweep comparison, W&B
 
 
-COMPARE_HEADERS = ["run", "draft", "γ", "α", "α_TF", "τ", "tokens/s", "speedup", "init speedup"]
+COMPARE_HEADERS = ["run", "draft", "γ", "α", "α_TF", "τ", "tokens/s", "speedup", "modeled", "init speedup"]
 
 
 def add_comparison_row(sweep_dir: Path, cfg: DictConfig, report: dict) -> Path:
@@ -179,7 +185,8 @@ def add_comparison_row(sweep_dir: Path, cfg: DictConfig, report: dict) -> Path:
     row = {"run": str(cfg.run_name), "cells": [
         str(cfg.run_name), str(b.get("name", "–")), str(b.get("gamma", "–")), fmt_num(b.get("acceptance_rate"), ".3f"),
         fmt_num(b.get("teacher_forced_acceptance"), ".3f"), fmt_num(b.get("tokens_per_target_call"), ".2f"),
-        fmt_num(b.get("tokens_per_s"), ".1f"), fmt_num(b.get("speedup"), ".2f", "×"), fmt_num(b.get("init_speedup"), ".2f", "×")]}
+        fmt_num(b.get("tokens_per_s"), ".1f"), report_mod.shown(b, "speedup"), report_mod.shown(b, "modeled_speedup"),
+        fmt_num(b.get("init_speedup"), ".2f", "×")]}
     rows_dir = sweep_dir / "comparison"
     atomic_write_json(rows_dir / f"{cfg.run_name}.json", row)
     out = sweep_dir / "comparison.md"
@@ -205,10 +212,11 @@ def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
     try:
         run.log({"results": wandb.Table(columns=HEADERS, data=cells)})
         best = report.get("best") or {}
-        run.summary.update({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float, str, bool))})
+        run.summary.update({f"best/{k}": v for k, v in best.items() if isinstance(v, (int, float, str, bool))
+                            and k not in (best.get("flagged") or {})})
         for r in headline_rows(report)[0]:
-            for k in ("acceptance_rate", "tokens_per_target_call", "tokens_per_s", "speedup"):
-                if isinstance(r.get(k), (int, float)):
+            for k in ("acceptance_rate", "tokens_per_target_call", "tokens_per_s", "speedup", "modeled_speedup"):
+                if isinstance(r.get(k), (int, float)) and k not in (r.get("flagged") or {}):
                     run.summary[f"{r['eval_set']}/{r['name']}/{k}"] = r[k]
     finally:
         run.finish()

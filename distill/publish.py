@@ -32,6 +32,7 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.models import run_draft_vocab
 from distill.utils import atomic_write_json, cli, read_json, start_stage
@@ -140,12 +141,26 @@ def check_report(report: Optional[dict], src: DraftSource, report_path: Path, cf
         if not rows:
             problems.append(f"{report_path} has no rows for draft {src.name!r}: evaluate it with "
                             f"`python -m distill.evaluate run_name={cfg.run_name} evaluate.drafts=[{src.name}]`")
+        elif not supported_speedups(rows):
+            msg = (f"{report_path} shows no speedup for draft {src.name!r} that the measurement can support (every "
+                   "speedup is flagged as noise, see the report's doctor): the card would have no number to show; "
+                   "measure more prompts (evaluate.timed_prompts, evaluate.repeats) or ship a better draft")
+            if cfg.publish.dry_run:  # the staged card shows "n.s." where a number would be
+                log.warning("publish: %s", msg)
+            else:
+                problems.append(msg)
     if problems and not cfg.publish.force:
         raise ConfigError("refusing to publish " + str(src.path) + ": " + "; ".join(problems)
                           + ". To publish anyway, set publish.force=true.")
     for p in problems:
         log.warning("publish.force=true: publishing although %s", p)
     return problems
+
+
+def supported_speedups(rows: list[dict]) -> list[dict]:
+    """Rows with at least one speedup number the evaluation's doctor did not flag as noise."""
+    return [r for r in rows if any(isinstance(r.get(k), (int, float)) and k not in (r.get("flagged") or {})
+                                   for k in ("speedup", "modeled_speedup"))]
 
 
 def fmt_num(x: Any, fmt: str, suffix: str = "") -> str:
@@ -159,10 +174,9 @@ def sampling(row: dict) -> str:
     return s + (", draft sampled" if row.get("draft_sampled") and t else "")
 
 
-def speedup_cell(row: dict) -> str:
-    s = fmt_num(row.get("speedup"), ".2f", "×")
-    lo_hi = row.get("speedup_spread")
-    return f"{s} (range {lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if row.get("speedup") is not None and lo_hi else s
+def speedup_cell(row: dict, key: str = "speedup") -> str:
+    """A speedup with its 95% interval, or "n.s." for a number the evaluation flagged as noise."""
+    return report_mod.shown(row, key)
 
 
 def row_label(row: dict, draft_name: str = "best") -> str:
@@ -173,13 +187,14 @@ def row_label(row: dict, draft_name: str = "best") -> str:
 
 def eval_table(rows: list[dict], draft_name: str = "best") -> str:
     """A markdown table of report rows: setting, α, τ, tokens/s, speedup, predicted speedup."""
-    head = ("| eval set | decoding | sampling | batch | γ | α | τ | tokens/s | speedup | predicted speedup |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    head = ("| eval set | decoding | sampling | batch | γ | α [95% CI] | τ | tokens/s | speedup [95% CI] | "
+            "modeled speedup [95% CI] |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = [
         f"| {r.get('eval_set')} | {row_label(r, draft_name)} | {sampling(r)} | {r.get('batch_size')} | "
-        f"{'–' if r.get('kind') == 'target' else r.get('gamma', '–')} | {fmt_num(r.get('acceptance_rate'), '.3f')} | "
+        f"{'–' if r.get('kind') == 'target' else r.get('gamma', '–')} | "
+        f"{report_mod.ci_cell(r.get('acceptance_rate'), r.get('acceptance_rate_ci'), 3)} | "
         f"{fmt_num(r.get('tokens_per_target_call'), '.2f')} | {fmt_num(r.get('tokens_per_s'), '.1f')} | "
-        f"{speedup_cell(r)} | {fmt_num(r.get('predicted_speedup'), '.2f', '×')} |"
+        f"{speedup_cell(r)} | {speedup_cell(r, 'modeled_speedup')} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
@@ -244,7 +259,8 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
     target_id = hub_id(target) or target
     repo = cfg.publish.repo_id or f"<your-name>/{cfg.run_name}-draft"
     rows = draft_rows(report, src) if report else []
-    best = max(rows, key=lambda r: r.get("speedup") or 0.0) if rows else None
+    ranked = supported_speedups(rows)
+    best = max(ranked, key=lambda r: report_mod.headline_speedup(r) or 0.0) if ranked else None
     headline = (report or {}).get("best") or {}
     gamma = int(headline.get("gamma") if headline.get("name") == src.name else (best or {}).get("gamma")
                 or cfg.evaluate.gammas[0])
@@ -264,21 +280,27 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
     if best is not None:
         body.append(f"Best setting: **{best.get('eval_set')}, {sampling(best)}, batch {best.get('batch_size')}, "
                     f"γ={best.get('gamma')}: α={fmt_num(best.get('acceptance_rate'), '.3f')}, "
-                    f"τ={fmt_num(best.get('tokens_per_target_call'), '.2f')}, speedup {speedup_cell(best)}**.\n")
+                    f"τ={fmt_num(best.get('tokens_per_target_call'), '.2f')}, speedup {speedup_cell(best)} measured, "
+                    f"{speedup_cell(best, 'modeled_speedup')} modeled**.\n")
+    elif rows:
+        body.append("No speedup that the evaluation can support: every speedup below is flagged as noise (n.s.) by "
+                    "the evaluation's doctor.\n")
     if report:
         shown = sort_rows(rows + [r for r in report.get("rows", []) if r.get("name") in REFERENCE_ORDER
                                   and not r.get("error")])
         body.append(eval_table(shown, src.name))
         defs = report.get("definitions", {})
-        keys = ("acceptance_rate", "tokens_per_target_call", "speedup", "predicted_speedup")
+        keys = ("acceptance_rate", "tokens_per_target_call", "speedup", "modeled_speedup", "flagged")
         body.append("\n".join(f"- `{k}`: {defs[k]}" for k in keys if k in defs) + "\n")
         st = report.get("settings", {})
         device = f" on {st['device']}" if st.get("device") not in (None, "auto") else ""
         sets = ", ".join(f"{k} ({v.get('prompts')} prompts)" for k, v in (st.get("eval_sets") or {}).items())
         body.append(f"Measured with this project's lossless speculative decoder (greedy output checked token by token "
                     f"against the target's){device}: "
-                    f"{sets or 'see report.json'}; max_new_tokens {st.get('max_new_tokens', '?')}, median of "
-                    f"{st.get('repeats', '?')} timed runs after {st.get('warmup', '?')} warm-up. `hf_assisted` rows "
+                    f"{sets or 'see report.json'}; α and τ by exact replay of greedy decoding over every prompt at "
+                    f"max_new_tokens {st.get('max_new_tokens', '?')}; speedups timed on {st.get('timed_prompts', '?')} "
+                    f"prompts per set, median of {st.get('repeats', '?')} runs after {st.get('warmup', '?')} warm-up. "
+                    f"`hf_assisted` rows "
                     f"are transformers assisted generation with this draft, timed against transformers generate().\n")
     for p in problems:
         body.append(f"> **Warning:** published with publish.force=true although {p}.\n")
@@ -287,6 +309,8 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
                 f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 f'tok = AutoTokenizer.from_pretrained("{target_id}")\n'
                 f'target = AutoModelForCausalLM.from_pretrained("{target_id}")\n{load}\n'
+                f"draft.generation_config.num_assistant_tokens = {gamma}\n"
+                f'draft.generation_config.num_assistant_tokens_schedule = "constant"\n'
                 f'inputs = tok.apply_chat_template([{{"role": "user", "content": "Hello!"}}], add_generation_prompt=True,\n'
                 f'                                 return_tensors="pt", return_dict=True)\n'
                 f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)\n"

@@ -161,7 +161,8 @@ COLUMNS = ["draft", "set", "sampling", "γ", "batch", "prompts (timed)", "α [95
            "speedup [95% CI]", "modeled [95% CI]", "greedy identical"]
 
 
-def _ci(x: Any, ci: Any, digits: int = 2, suffix: str = "") -> str:
+def ci_cell(x: Any, ci: Any, digits: int = 2, suffix: str = "") -> str:
+    """A number with its 95% interval: "0.62 [0.58–0.66]" ("–" when missing)."""
     if not isinstance(x, (int, float)):
         return "–"
     return _f(x, digits, suffix) + (f" [{_f(ci[0], digits)}–{_f(ci[1], digits)}]" if ci else "")
@@ -171,7 +172,7 @@ def shown(row: dict, key: str, digits: int = 2) -> str:
     """A speedup cell: the number with its interval, or "n.s." when the doctor flagged it."""
     if key in (row.get("flagged") or {}):
         return "n.s."
-    return _ci(row.get(key), row.get(f"{key}_ci"), digits, "×")
+    return ci_cell(row.get(key), row.get(f"{key}_ci"), digits, "×")
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -187,7 +188,7 @@ def table_rows(report: dict) -> list[list[str]]:
         out.append([
             r["name"], str(r.get("eval_set")), _sampling(r.get("temperature"), r.get("top_p")),
             str(r.get("gamma", "–")), str(r.get("batch_size")), f"{r.get('prompts', '–')} ({r.get('timed_prompts', 0)})",
-            _ci(r.get("acceptance_rate"), r.get("acceptance_rate_ci")),
+            ci_cell(r.get("acceptance_rate"), r.get("acceptance_rate_ci")),
             _f(r.get("teacher_forced_acceptance")), _f(r.get("tokens_per_target_call")), _f(r.get("cost_ratio"), 3),
             _f(r.get("tokens_per_s"), 1), shown(r, "speedup"), shown(r, "modeled_speedup"), gi_s,
         ])

@@ -139,8 +139,13 @@ def test_results_table_has_the_four_kinds_at_greedy_batch_1(tmp_path):
     summary = {"init_teacher_forced_acceptance": 0.4, "best_teacher_forced_acceptance": 0.66}
     text, cells = pipeline.results_markdown(cfg, REPORT, summary, None)
     assert [c[1] for c in cells] == [*LABELS[:3], "HF assisted generation (best)", "prompt lookup (no draft)"]
-    assert cells[2][3:] == ["0.700", "2.50", "100.0", "1.80×"]  # greedy, batch 1, γ=4 only
-    assert cells[0][2] == "–" and cells[0][3] == "–"
+    assert cells[2][4:] == ["0.700", "2.50", "100.0", "1.80×", "–"]  # greedy, batch 1, γ=4 only
+    assert cells[0][2] == "–" and cells[0][4] == "–"
+    # a number the evaluation flagged never reaches the table
+    flagged = {**REPORT, "rows": [{**r, "flagged": {"speedup": "its 95% interval includes 1"}} if r["name"] == "best"
+                                  else r for r in REPORT["rows"]]}
+    cells = pipeline.results_markdown(cfg, flagged, summary, None)[1]
+    assert cells[2][7] == "n.s." and "1.80" not in " ".join(cells[2])
     assert "0.400 (init) → 0.660 (distilled)" in text and "| eval set" in text
 
 

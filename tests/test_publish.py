@@ -138,6 +138,25 @@ def test_refuses_without_report_or_with_greedy_mismatch(tmp_path, run):
     assert "greedy_identical: false" in (Path(out["folder"]) / "README.md").read_text()
 
 
+def test_flagged_numbers_never_reach_the_card_and_block_an_upload(tmp_path, run, fake_hub):
+    noise = {"speedup": "its 95% interval [0.81, 2.90] includes 1"}
+    report = _report()
+    for r in report["rows"]:
+        if r["name"] == "best":
+            r.update(speedup=2.11, flagged=noise)
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    out = publish.run(_cfg(tmp_path))  # a dry run stages the card, with n.s. in place of the number
+    card = (Path(out["folder"]) / "README.md").read_text()
+    assert "2.11" not in card and "n.s." in card and "No speedup that the evaluation can support" in card
+    with pytest.raises(ConfigError, match="no speedup .* can support.*evaluate.timed_prompts.*publish.force=true"):
+        publish.run(_cfg(tmp_path, "publish.dry_run=false", "publish.repo_id=me/tiny-draft"))
+    # one supported number is enough to publish, and it is the one the card shows
+    report["rows"][3].update(flagged={}, speedup=1.7)
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    card = (Path(publish.run(_cfg(tmp_path))["folder"]) / "README.md").read_text()
+    assert "speedup 1.70× measured" in card and "2.11" not in card
+
+
 def test_upload_needs_repo_id_and_draft(tmp_path, run):
     with pytest.raises(ConfigError, match="publish.repo_id is required"):
         publish.run(_cfg(tmp_path, "publish.dry_run=false"))
