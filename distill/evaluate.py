@@ -68,7 +68,7 @@ from specdec.metrics import SpecMetrics, teacher_forced_acceptance
 from specdec.sampling import SamplingParams, logits_to_probs
 
 log = logging.getLogger(__name__)
-FLOAT_TIE_GAP = 1e-4  # ARCHITECTURE.md "Lossless means lossless"
+FLOAT_TIE_GAP = 1e-4  # docs/architecture.md, "Lossless"
 EXIT_GREEDY_MISMATCH = 1
 
 
