@@ -87,8 +87,8 @@ class GenerateConfig:
     shard_size: int = 64  # records per shard file; a crash loses at most the shard in progress
     store_topk: int = 0  # store the target's top-k logits per response token (0 = off)
     backend: str = "transformers"  # transformers | vllm
-    # bf16: the target's forward passes run under bf16 autocast (weights stay as loaded); its p is ~0.01 TV
-    # from fp32's. On the 2-core AMX CPU: 1.01x for greedy answers, 1.43x for self-instruct writing (README)
+    # bf16: the target's forward passes run under bf16 autocast (weights stay as loaded); its p is close to,
+    # not equal to, fp32's. Pays most for long prefills (self-instruct writing); docs/measurements.md
     mixed_precision: str = "no"
     overwrite: bool = False
 
@@ -149,7 +149,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # false: the prompt prefix runs without autograd (as a KV cache); same loss, cheaper backward, the
     # gradient through prompt activations is dropped (ignored with gradient_checkpointing). On the default
-    # draft it made 10% more steps in 20 min and ended lower (α_TF 0.491 / 0.321 vs 0.519 / 0.331, README)
+    # draft its extra steps did not make up for that gradient (docs/measurements.md, "Loss and gradient options")
     prompt_grad: bool = True
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no on CPU
 

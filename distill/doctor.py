@@ -3,9 +3,10 @@
     from distill.doctor import diagnose
     findings = diagnose(report["rows"])   # [{"rule", "severity", "draft", "message", ...}]
 
-Each rule reads only the row fields evaluate writes (names from ARCHITECTURE.md) and fires at most
-once per (rule, draft), quoting the worst setting and how many settings it saw. Severities: error
-(a result that must not ship), warning (the draft or the settings leave speed on the table), info.
+Each rule reads only the row fields evaluate writes (names from docs/architecture.md, "Metric
+definitions") and fires at most once per (rule, draft), quoting the worst setting and how many
+settings it saw. Severities: error (a result that must not ship), warning (the draft or the settings
+leave speed on the table), info.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from specdec.decoder import DecodeResult, autoregressive_generate
 from specdec.metrics import SpecMetrics, bootstrap_ci, teacher_forced_acceptance
 from specdec.sampling import SamplingParams, logits_to_probs
 
-FLOAT_TIE_GAP = 1e-4  # docs/architecture.md, "Lossless means lossless"
+FLOAT_TIE_GAP = 1e-4  # docs/architecture.md, "Lossless"
 Decode = Callable[[list[list[int]], int], DecodeResult]  # (batch of prompts, seed) -> result
 
 

@@ -2,7 +2,7 @@
 
     python -m distill.pipeline model=tiny experiment=smoke        # seconds: random tiny models (tests)
     python -m distill.pipeline experiment=smoke                   # minutes on 2 CPU cores: SmolLM2, CI-sized
-    python -m distill.pipeline experiment=default                 # the README run (about 50 min on 2 CPU cores)
+    python -m distill.pipeline experiment=default                 # the main job (its run time: docs/measurements.md)
     python -m distill.pipeline -m experiment=smoke loss=fkl,rkl,jsd gamma=3,5   # a sweep
 
 Runs the stages in cfg.stages (in the order above) in this process, each through its own run(cfg):

@@ -3,8 +3,8 @@
     python -m distill.report runs/<run>/evaluate/report.json      # rewrites report.md and plots/ beside it
 
 The evaluate stage calls `render(report, out_dir)` and `print_summary(report)`. Everything here reads
-only report.json (shape: ARCHITECTURE.md and distill/evaluate.py), so a report can be re-rendered
-without models.
+only report.json (shape: docs/architecture.md "report.json", and distill/evaluate.py), so a report
+can be re-rendered without models.
 """
 from __future__ import annotations
 

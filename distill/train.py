@@ -404,7 +404,7 @@ LOGIT_SCALES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0)
 def _calibrate(student: torch.nn.Module, alpha: Callable[[], float], best: dict, path) -> dict:
     """Load best/ into the student and scale its logits by the s in LOGIT_SCALES with the highest α_TF on
     the holdout. Forward KL fits q to the average of the p's the draft cannot tell apart, which is not
-    the q of most overlap Σ min(p, q) (the default SmolLM2 drafts gained 0.016-0.031 at s = 1.3-1.4, README);
+    the q of most overlap Σ min(p, q) (the default SmolLM2 drafts prefer a sharper q: docs/measurements.md);
     one scalar is cheap to fit on few records. Returns best's info with logit_scale, the α_TF of each
     scale and the α_TF before."""
     ck.load_weights(student, path)

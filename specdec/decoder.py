@@ -278,7 +278,7 @@ class SpeculativeDecoder:
     lazy_head: apply the target's LM head only to positions up to each row's first rejection
     (verify_lazy_head), for models whose logits are exactly head(body(x)). Off by default: with the
     small-rows kernels of specdec.kv, one head pass over all γ+1 positions costs about as much as a
-    single per-position pass on CPU (SmolLM2-135M, 2 threads: 65.8 vs 67.4 ms for the whole verify).
+    single per-position pass on CPU (docs/measurements.md, "The lazy LM head").
     """
 
     def __init__(

@@ -101,13 +101,13 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
 # -- multi-token steps on CPU: faster kernels for a few rows ---------------------------------------
 # A verify pass feeds γ+1 tokens per row. CPU BLAS serves one row (gemv) near memory bandwidth but a
 # handful of rows (sgemm) through a path that repacks the weight on every call, so verifying 5 tokens
-# can cost 1.6× a decoding step where the weights' memory traffic says ~1×. Two remedies, same math:
+# can cost well over a decoding step where the weights' memory traffic says ~1×. Two remedies, same math:
 # - from PACKED_MIN_ROWS rows, MKL's prepacked GEMM: each weight is packed once per row count and
 #   kept (a copy of the weights per row count in use; rebuilt when a weight changes in place);
 # - below that, the transposed product (W @ xᵀ)ᵀ where it is faster, timed once per
 #   (weight shape, rows, threads) on the real weight.
-# SmolLM2-135M, 2 threads, whole 5-token step: 69.5 -> 61.3 ms with packing (draft: 21.8 -> 17.4 ms);
-# at 2 rows packing was slower (45.4 -> 50.2 ms), hence the threshold.
+# Packing is faster at 5 rows and slower at 2, hence the threshold; mechanism: docs/decoder.md, "CPU fast
+# paths"; timings: docs/measurements.md.
 SMALL_ROWS = 16  # inputs of 2..SMALL_ROWS rows are candidates
 PACKED_MIN_ROWS = 4
 _CHOICE: dict[tuple, bool] = {}  # (out, in, rows, threads, dtype) -> use the transposed product
@@ -201,16 +201,15 @@ def small_rows_kernels(enabled: bool = True) -> Iterator[None]:
 # builders, output records, kwargs plumbing); masked cache columns (left padding, a row's rejected
 # tokens) become a boolean SDPA mask. Whether a model qualifies is checked once by comparing both
 # forwards on a short two-row input, one row left-padded.
-# SmolLM2-135M, 2 threads: a 1-token step 44.1 -> 42.0 ms, 5 tokens 71.4 -> 65.1 ms; its 6-layer draft
-# 13.1 -> 11.9 ms; logits bit-identical.
+# On SmolLM2-135M the logits are bit-identical and every step is faster (docs/measurements.md).
 _LEAN_TYPES = ("llama", "qwen2")
 _LEAN_OK: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 # On CPU the lean forward runs q_proj, k_proj and v_proj as one Linear (a stacked copy of the three
 # weights, 12% of SmolLM2-135M's parameters) and applies rotary embeddings to q and k at once: fewer,
-# larger kernels, the same logits; a 1- or 2-token step of SmolLM2-135M took ~2% less (30.0 -> 29.4 ms).
-# Stacking gate_proj and up_proj as well made steps slower, so the MLP keeps its own Linears.
+# larger kernels, the same logits, slightly faster steps (docs/measurements.md). Stacking gate_proj and
+# up_proj as well made steps slower, so the MLP keeps its own Linears.
 _QKV: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 

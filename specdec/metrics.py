@@ -1,4 +1,4 @@
-"""The metric definitions of ARCHITECTURE.md, in code, computed from the decoding loop's own counters.
+"""The metric definitions of docs/architecture.md ("Metric definitions"), in code, computed from the decoding loop's own counters.
 
     from specdec.metrics import predicted_speedup, expected_tokens_per_call
     predicted_speedup(alpha=0.8, gamma=4, c=0.1)      # 2.38...
@@ -168,7 +168,7 @@ class SpecMetrics:
         return out
 
     def to_dict(self) -> dict:
-        """Settings, counters and every derived metric, under the names of ARCHITECTURE.md."""
+        """Settings, counters and every derived metric, under the names of docs/architecture.md."""
         out = asdict(self)
         for name in ("acceptance_rate", "draft_acceptance_ratio", "tokens_per_target_call",
                      "per_position_acceptance", "mean_gamma", "draft_step_s", "target_step_s",

@@ -1,4 +1,4 @@
-"""Metric definitions (ARCHITECTURE.md) on scripted counters.
+"""Metric definitions (docs/architecture.md, "Metric definitions") on scripted counters.
 
     pytest tests/test_specdec_metrics.py -q
 """
