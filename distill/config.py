@@ -158,8 +158,9 @@ class TrainConfig:
 class EvaluateConfig:
     # Drafts to evaluate: paths, globs, or the names "best", "checkpoints" (all of the run's).
     drafts: list[str] = field(default_factory=lambda: ["best"])
-    # Reference rows: target (alone), init (undistilled draft), prompt_lookup, hf_assisted.
-    references: list[str] = field(default_factory=lambda: ["target", "init", "prompt_lookup", "hf_assisted"])
+    # Reference rows: target (alone), init (undistilled draft), prompt_lookup, hybrid (prompt lookup where the
+    # context has a match, the first draft where it has none), hf_assisted.
+    references: list[str] = field(default_factory=lambda: ["target", "init", "prompt_lookup", "hybrid", "hf_assisted"])
     gammas: list[int] = field(default_factory=lambda: [4])
     gamma_policy: str = "constant"  # constant | adaptive
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -235,6 +236,7 @@ CHOICES = {
     "wandb_mode": {"offline", "online", "disabled"},
 }
 STAGES = ("generate", "distill", "evaluate", "publish")
+REFERENCES = ("target", "init", "prompt_lookup", "hybrid", "hf_assisted")
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -325,8 +327,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(e.get("timed_max_new_tokens") is None or e.timed_max_new_tokens >= 1,
          "evaluate.timed_max_new_tokens must be >= 1 (or null: evaluate.max_new_tokens)")
     need(e.get("reference_batch_size", 1) >= 1, "evaluate.reference_batch_size must be >= 1")
-    bad_refs = [r for r in e.references if r not in ("target", "init", "prompt_lookup", "hf_assisted")]
-    need(not bad_refs, f"evaluate.references has unknown {bad_refs}; choose from target, init, prompt_lookup, hf_assisted")
+    bad_refs = [r for r in e.references if r not in REFERENCES]
+    need(not bad_refs, f"evaluate.references has unknown {bad_refs}; choose from {', '.join(REFERENCES)}")
     m = cfg.model
     need(m.target not in (None, "", "???"), "model.target is required: a hub id, a local dir, or model=smollm2")
     if m.draft_init == "pretrained":

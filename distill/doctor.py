@@ -135,7 +135,7 @@ def diagnose(rows: list[dict]) -> list[dict[str, Any]]:
         if row.get("error"):
             flag("broken_draft", "error", row, 1.0, f"{name} ({row.get('draft')}) was not evaluated: {row['error']}")
             continue
-        if row.get("kind") not in ("model", "prompt_lookup", "hf_assisted"):
+        if row.get("kind") not in ("model", "prompt_lookup", "hybrid", "hf_assisted"):
             continue
         where = f"{name} ({_setting(row)})"
         for key, why in (row.get("flagged") or {}).items():

@@ -47,7 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from distill import report as report_mod
-from distill.config import ConfigError, run_dir
+from distill.config import REFERENCES, ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
 from distill.doctor import diagnose, noise_flags
 from distill.generate import record_ids
@@ -77,7 +77,8 @@ from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_gen
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.kv import KVModel
 from specdec.metrics import SpecMetrics, bootstrap_ci, predicted_speedup
-from specdec.replay import draft_argmax, lookup_proposals, model_proposals, near_ties, replay
+from specdec.hybrid import HybridDrafter
+from specdec.replay import draft_argmax, hybrid_proposals, lookup_proposals, model_proposals, near_ties, replay
 
 log = logging.getLogger(__name__)
 EXIT_GREEDY_MISMATCH = 1
@@ -165,7 +166,7 @@ def resolve_drafts(cfg: DictConfig) -> list[tuple[str, str]]:
             unique.append((name, path))
     # A taken name grows by parent dirs until it tells the same-named drafts apart: S6/distill/best.
     parts = [Path(path.rstrip("/")).parts for _, path in unique]
-    out, names = [], {"target", "init", "prompt_lookup", "hf_assisted"}
+    out, names = [], set(REFERENCES)
     for i, (name, path) in enumerate(unique):
         k = 1
         while name in names and k < len(parts[i]):
@@ -366,6 +367,10 @@ def _candidates(cfg: DictConfig, tok) -> list[dict]:
         out.append({"name": "init", "kind": "model", "draft": None, "error": None})
     if "prompt_lookup" in refs:
         out.append({"name": "prompt_lookup", "kind": "prompt_lookup", "draft": None, "error": None})
+    first = next((c for c in out if c["kind"] == "model" and c["name"] != "init"), None)
+    if "hybrid" in refs and first is not None:  # prompt lookup + the first draft
+        out.append({"name": "hybrid", "kind": "hybrid", "draft": first["draft"], "model_of": first["name"],
+                    "error": first["error"]})
     return out
 
 
@@ -414,7 +419,9 @@ class _Stage:
 
     def spec_decode(self, c: dict, gamma: int, temp: float, max_new: int):
         model = self.models[c["name"]]
-        drafter = ModelDrafter(model, vocab=self.draft_vocab) if model is not None else PromptLookupDrafter()
+        drafter = (PromptLookupDrafter() if c["kind"] == "prompt_lookup" else
+                   HybridDrafter(model, vocab=self.draft_vocab) if c["kind"] == "hybrid" else
+                   ModelDrafter(model, vocab=self.draft_vocab))
         dec = SpeculativeDecoder(self.target, drafter, gamma=gamma, gamma_policy=self.e.gamma_policy,
                                  eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
         return lambda batch, seed: dec.generate(batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p,
@@ -434,15 +441,21 @@ class _Stage:
         # Greedy: one teacher-forced pass per model draft, then exact replay for every γ.
         bar.set_postfix_str(f"{es.name}: replay")
         proposals, agree, tie_prompts = {}, {}, {}
+        tfs: dict[int, list] = {}  # id(model) -> its teacher-forced argmax and gaps (a hybrid reuses its draft's)
         for c in self.ok:
             model = self.models[c["name"]]
-            if model is None:
+            if c["kind"] == "prompt_lookup":
                 proposals[c["name"]] = [lookup_proposals(p, a) for p, a in zip(prompts, y)]
                 continue
-            tf = [draft_argmax(model, p, a, c["vocab"], self.draft_vocab) for p, a in zip(prompts, y)]
+            if id(model) not in tfs:
+                tfs[id(model)] = [draft_argmax(model, p, a, c["vocab"], self.draft_vocab) for p, a in zip(prompts, y)]
+            tf = tfs[id(model)]
+            tie_prompts[c["name"]] = {pid for pid, (_, gap) in zip(ids, tf) if near_ties(gap, FLOAT_TIE_GAP)}
+            if c["kind"] == "hybrid":
+                proposals[c["name"]] = [hybrid_proposals(p, a, pred) for p, a, (pred, _) in zip(prompts, y, tf)]
+                continue
             proposals[c["name"]] = [model_proposals(pred) for pred, _ in tf]
             agree[c["name"]] = [(sum(x == t for x, t in zip(pred, a)), len(a)) for (pred, _), a in zip(tf, y)]
-            tie_prompts[c["name"]] = {pid for pid, (_, gap) in zip(ids, tf) if near_ties(gap, FLOAT_TIE_GAP)}
         stop = {self.eos}
         replayed = {(c["name"], g): [replay(a, prop, g, e.max_new_tokens, stop, e.gamma_policy)
                                      for a, prop in zip(y, proposals[c["name"]])]
@@ -501,7 +514,7 @@ class _Stage:
         # α_TF: greedy agreement over every prompt (from the replay's pass), sampled α_TF at T > 0.
         for c in self.ok:
             model = self.models[c["name"]]
-            if model is None:
+            if c["kind"] != "model":  # α_TF compares two distributions: a lookup has none
                 continue
             tf = {0.0: agree[c["name"]]}
             for t in temps:
@@ -514,7 +527,8 @@ class _Stage:
                     n = sum(k for _, k in parts)
                     row["teacher_forced_acceptance"] = sum(s for s, _ in parts) / n if n else None
                     row["teacher_forced_acceptance_ci"] = bootstrap_ci([s for s, _ in parts], [k for _, k in parts])
-        return rows
+        order = {"target": -1, **{c["name"]: i for i, c in enumerate(self.ok)}}
+        return sorted(rows, key=lambda r: (order[r["name"]], r["temperature"], r["batch_size"], r["gamma"]))
 
 
 def _best_gamma(rows: list[dict], name: str, default: int) -> int:
@@ -555,12 +569,16 @@ def run(cfg: DictConfig) -> dict:
                 log.warning("draft %s (%s) could not be loaded: %s", c["name"], c["draft"], c["error"])
         elif c["kind"] == "prompt_lookup":
             models[c["name"]] = None
+        elif c["kind"] == "hybrid" and not c["error"]:
+            first = next(x for x in cands if x["name"] == c["model_of"])
+            c["error"], c["vocab"] = first["error"], first.get("vocab")
+            models[c["name"]] = models.get(first["name"])
         if c["error"]:
             rows.append({"name": c["name"], "kind": c["kind"], "draft": c["draft"], "error": c["error"],
                          "eval_set": None, "greedy_identical": None})
     ok = [c for c in cands if not c["error"]]
     if draft_vocab is not None:  # checked before any timing: a draft that cannot use it stops the run now
-        bad = [c["name"] for c in ok if models.get(c["name"]) is not None
+        bad = [c["name"] for c in ok if c["kind"] == "model" and models.get(c["name"]) is not None
                and not KVModel(models[c["name"]], c["vocab"]).lazy_head_ok]
         if bad:
             raise ConfigError(f"model.draft_vocab={cfg.model.draft_vocab} needs drafts whose logits are their LM head "

@@ -52,7 +52,8 @@ MODULES = {"generate": "distill.generate", "distill": "distill.train", "evaluate
            "publish": "distill.publish"}
 # report row name -> label, in table order
 ROWS = {"target": "target alone", "init": "undistilled draft (init)", "best": "distilled draft (best)",
-        "hf_assisted": "HF assisted generation", "prompt_lookup": "prompt lookup (no draft)"}
+        "hf_assisted": "HF assisted generation", "prompt_lookup": "prompt lookup (no draft)",
+        "hybrid": "hybrid (prompt lookup + draft)"}
 HEADERS = ["eval set", "decoding", "γ", "prompts (timed)", "α [95% CI]", "τ", "tokens/s", "speedup [95% CI]",
            "modeled [95% CI]"]
 
@@ -111,7 +112,7 @@ def headline_rows(report: dict) -> tuple[list[dict], dict]:
     best = report.get("best") or {}
     gamma = best.get("gamma")
     draft = best.get("name") if best.get("name") not in (None, "init") else "best"
-    order = {"target": 0, "init": 1, draft: 2, "hf_assisted": 3, "prompt_lookup": 4}
+    order = {"target": 0, "init": 1, draft: 2, "hf_assisted": 3, "prompt_lookup": 4, "hybrid": 5}
     picked = [r for r in rows if r["name"] in order and (r.get("temperature") or 0.0) == temp
               and (r.get("batch_size") or 1) == bs and (r["kind"] == "target" or gamma is None or r.get("gamma") == gamma)]
     picked.sort(key=lambda r: (str(r["eval_set"]), order[r["name"]], r.get("gamma") or 0))

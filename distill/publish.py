@@ -48,7 +48,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "m
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-REFERENCE_ORDER = {"target": 0, "init": 1, "hf_assisted": 3, "prompt_lookup": 4}  # the draft itself sorts at 2
+REFERENCE_ORDER = {"target": 0, "init": 1, "hf_assisted": 3, "prompt_lookup": 4, "hybrid": 5}  # the draft: 2
 
 
 @dataclass
@@ -181,6 +181,7 @@ def speedup_cell(row: dict, key: str = "speedup") -> str:
 
 def row_label(row: dict, draft_name: str = "best") -> str:
     return {"target": "target alone", "init": "undistilled draft (init)", "prompt_lookup": "prompt lookup",
+            "hybrid": "hybrid (prompt lookup + this draft)",
             "hf_assisted": "HF assisted generation"}.get(row["name"], f"distilled draft ({row['name']})"
                                                          if row["name"] == draft_name else row["name"])
 

@@ -65,6 +65,7 @@ DEFINITIONS = {
     "temperature": "sampling temperature applied to p and q (0 = greedy)",
     "batch_size": "prompts decoded together (the last batch of a category may be smaller)",
 }
+SPEC_KINDS = ("model", "prompt_lookup", "hybrid")  # rows this project's decoder measured with a drafter
 PLOTS = ("per_position_acceptance", "speedup_vs_gamma", "acceptance_by_category", "accepted_length_histogram")
 SEVERITY_MARK = {"error": "✗", "warning": "!", "info": "i"}
 
@@ -151,6 +152,7 @@ def pick_best(rows: list[dict], temperatures: list[float], batch_sizes: list[int
             "flagged": flagged,
             "init_speedup": ref("model", "init") if name != "init" else None,
             "prompt_lookup_speedup": ref("prompt_lookup"),
+            "hybrid_speedup": ref("hybrid"),
             "hf_assisted_speedup": ref("hf_assisted") if temp == 0 and bs == 1 else None,
             "greedy_identical": all(r.get("greedy_identical") is not False for r in rs),
             "note": "mean over eval sets at this γ, temperature and batch size"}
@@ -209,7 +211,7 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
 def category_table(report: dict) -> tuple[list[str], list[list[str]]]:
     """α per category (columns) per draft (rows) at the headline setting."""
     temp, bs, gamma = headline_setting(report)
-    rows = [r for r in _ok_rows(report) if r.get("kind") in ("model", "prompt_lookup") and r.get("temperature") == temp
+    rows = [r for r in _ok_rows(report) if r.get("kind") in SPEC_KINDS and r.get("temperature") == temp
             and r.get("batch_size") == bs and (gamma is None or r.get("gamma") == gamma)]
     cats = list(dict.fromkeys(f"{r['eval_set']}/{c}" if c != r["eval_set"] else c
                               for r in rows for c in (r.get("by_category") or {})))
@@ -241,6 +243,7 @@ def headline(report: dict) -> str:
     if flagged:
         text += " Not shown: " + "; ".join(f"{k} ({'; '.join(v)})" for k, v in flagged.items()) + "."
     names = (("undistilled init", "init_speedup"), ("prompt lookup", "prompt_lookup_speedup"),
+             ("hybrid (prompt lookup + this draft)", "hybrid_speedup"),
              ("transformers assisted generation, same draft", "hf_assisted_speedup"))
     refs = [(k, b[key]) for k, key in names if b.get(key) is not None]
     if refs and speeds:
@@ -283,7 +286,7 @@ def render_markdown(report: dict) -> str:
 
 
 # -- plots -----------------------------------------------------------------------------------------
-def _spec_rows(report: dict, temp: float, bs: int, kinds=("model", "prompt_lookup")) -> list[dict]:
+def _spec_rows(report: dict, temp: float, bs: int, kinds=SPEC_KINDS) -> list[dict]:
     return [r for r in _ok_rows(report) if r.get("kind") in kinds and r.get("temperature") == temp
             and r.get("batch_size") == bs]
 
@@ -321,7 +324,7 @@ def plot_per_position(report: dict, path: Path) -> None:
 
 def plot_speedup_vs_gamma(report: dict, path: Path) -> None:
     temp, bs, _ = headline_setting(report)
-    rows = _spec_rows(report, temp, bs, ("model", "prompt_lookup", "hf_assisted"))
+    rows = _spec_rows(report, temp, bs, (*SPEC_KINDS, "hf_assisted"))
     sets = _sets(rows)
     fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 3.6), squeeze=False)
     for ax, es in zip(axes[0], sets):

@@ -107,3 +107,11 @@ def lookup_proposals(prompt: Sequence[int], y: Sequence[int], drafter: PromptLoo
 def near_ties(gap: Sequence[float], tie_gap: float) -> list[int]:
     """Positions whose top-2 logit gap is below ``tie_gap``: where float rounding can flip an argmax."""
     return [i for i, g in enumerate(gap) if g < tie_gap]
+
+
+def hybrid_proposals(prompt: Sequence[int], y: Sequence[int], pred: Sequence[int],
+                     drafter: PromptLookupDrafter | None = None) -> Proposals:
+    """Proposals of specdec.hybrid.HybridDrafter: prompt lookup's block where it finds a match, else the
+    model's (from its teacher-forced argmax ``pred``)."""
+    look, model = lookup_proposals(prompt, y, drafter), model_proposals(pred)
+    return lambda e, k: look(e, k) or model(e, k)

@@ -158,12 +158,14 @@ def test_replayed_counts_equal_decoded_counts_on_the_timed_prompts(run_root):
 
 def test_all_references_sampling_and_plots(run_root):
     cfg = make_cfg(run_root, "evaluate.drafts=[checkpoints]", "evaluate.temperatures=[0.0,1.0]",
-                   "evaluate.gammas=[1,2]", "evaluate.references=[target,init,prompt_lookup,hf_assisted]",
+                   "evaluate.gammas=[1,2]", "evaluate.references=[target,init,prompt_lookup,hybrid,hf_assisted]",
                    "evaluate.max_new_tokens=8")
     evaluate.run(cfg)
     report = read_report(run_root)
     names = list(dict.fromkeys(r["name"] for r in report["rows"]))
-    assert names == ["target", "checkpoint-2", "checkpoint-10", "init", "prompt_lookup", "hf_assisted"]
+    assert names == ["target", "checkpoint-2", "checkpoint-10", "init", "prompt_lookup", "hybrid", "hf_assisted"]
+    (hybrid,) = [r for r in rows_of(report, "hybrid") if r["gamma"] == 1 and r["temperature"] == 0]
+    assert hybrid["draft"].endswith("checkpoint-2") and hybrid["scored_by"] == "replay"
     hf = rows_of(report, "hf_assisted")
     # one transformers reference per set, at the γ where the first draft's modeled speedup is highest
     assert len(hf) == 1 and all(r["batch_size"] == 1 and r["temperature"] == 0 for r in hf)
@@ -173,7 +175,7 @@ def test_all_references_sampling_and_plots(run_root):
     sampled = [r for r in report["rows"] if r["temperature"] == 1.0 and r["kind"] == "model"]
     assert sampled and all(r["greedy_identical"] is None and r["draft_sampled"] for r in sampled)
     assert all(r["teacher_forced_acceptance"] is not None for r in sampled)
-    greedy = [r for r in report["rows"] if r["kind"] in ("model", "prompt_lookup") and r["temperature"] == 0]
+    greedy = [r for r in report["rows"] if r["kind"] in ("model", "prompt_lookup", "hybrid") and r["temperature"] == 0]
     assert all(r["greedy_identical"] for r in greedy if r["timed_prompts"])
     # a candidate that accepted nothing on any prompt is replayed but not timed: no speedup to show
     for r in greedy:
