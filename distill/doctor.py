@@ -28,6 +28,8 @@ RULES = {
     "noise": "a speedup the measurement cannot support (interval includes 1, above 1.2 × modeled, > 1 with τ = 1, "
              f"or timed with < {MIN_REPEATS} repeats / < {MIN_WARMUP} warm-up): flagged, never headlined or published",
     "replay_mismatch": "replayed greedy counts differ from decoded ones where no float tie explains it: a bug",
+    "recommendation": "which drafter and γ to ship: the highest mean unflagged speedup over the eval sets (greedy, "
+                      "batch 1)",
     "greedy_mismatch": "speculative greedy tokens differ from the target's own (not a float tie): a decoder bug",
     "float_tie": "a greedy divergence where the target's top-2 logit gap was < 1e-4 (floating-point order)",
     "broken_draft": "a draft could not be loaded or evaluated",
@@ -118,6 +120,35 @@ def _position_drop(row: dict) -> Optional[tuple[float, int, int]]:
     return drop, k_last, suggested
 
 
+def recommend(rows: list[dict]) -> Optional[dict[str, Any]]:
+    """Which drafter to ship: the (candidate, γ) with the highest mean unflagged speedup over the eval sets
+    at greedy, batch 1 (modeled over every prompt where there is one, else measured), against the others."""
+    score: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if (r.get("error") or r.get("kind") in (None, "target", "hf_assisted") or r.get("temperature")
+                or r.get("batch_size") != 1):
+            continue
+        flagged = r.get("flagged") or {}
+        key = "modeled_speedup" if _num(r, "modeled_speedup") is not None else "speedup"
+        v = _num(r, key)
+        if v is not None and key not in flagged:
+            score[(str(r.get("name")), int(r.get("gamma") or 0))][str(r.get("eval_set"))] = v
+    sets = sorted({s for by_set in score.values() for s in by_set})
+    full = {k: sum(v.values()) / len(v) for k, v in score.items() if len(v) == len(sets)}
+    if not full:
+        return None
+    ranked = sorted(full.items(), key=lambda kv: -kv[1])
+    (name, gamma), mean = ranked[0]
+    per_set = ", ".join(f"{s} {score[(name, gamma)][s]:.2f}×" for s in sets)
+    others = "; ".join(f"{n} γ={g} {m:.2f}×" for (n, g), m in ranked[1:4])
+    verdict = (f"ship {name} at γ = {gamma}: mean speedup {mean:.2f}× over {', '.join(sets)} ({per_set})"
+               if mean > 1 else f"nothing measured here beats the target alone (best: {name} at γ = {gamma}, "
+               f"{mean:.2f}×); serve the target alone or train a better draft")
+    return {"rule": "recommendation", "severity": "info", "draft": name, "setting": f"γ={gamma}, greedy, batch 1",
+            "message": verdict + (f". Next: {others}" if others else "") + " (modeled over every prompt where "
+            "available, else measured; flagged numbers left out)", "count": 1}
+
+
 def diagnose(rows: list[dict]) -> list[dict[str, Any]]:
     """Findings for a list of report rows; each {"rule", "severity", "draft", "message", "count", "setting"}."""
     worst: dict[tuple[str, str], tuple[float, dict]] = {}
@@ -193,6 +224,9 @@ def diagnose(rows: list[dict]) -> list[dict[str, Any]]:
                  "(loss.temperature)")
 
     out = []
+    ship = recommend(rows)
+    if ship is not None:
+        out.append(ship)
     for key, (_, finding) in worst.items():
         n = counts[key]
         more = f" (in {n} settings; worst shown)" if n > 1 else ""

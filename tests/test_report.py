@@ -27,7 +27,9 @@ def rules(rows):
 
 
 def test_healthy_numbers_raise_nothing():
-    assert diagnose([row(), row(gamma=2, per_position_acceptance=[0.8, 0.85])]) == []
+    found = diagnose([row(), row(gamma=2, per_position_acceptance=[0.8, 0.85])])
+    assert [f["rule"] for f in found] == ["recommendation"]  # advice on what to ship, no problem
+    assert "ship best at γ = 4: mean speedup 2.20×" in found[0]["message"]
 
 
 def test_draft_too_slow():
@@ -193,3 +195,21 @@ def test_headline_never_shows_a_flagged_number():
     cells = rpt.table_rows({**report, "rows": [row(speedup=2.2, flagged=flagged, modeled_speedup=1.37)]})
     assert cells[0][rpt.COLUMNS.index("speedup [95% CI]")] == "n.s."
     assert cells[0][rpt.COLUMNS.index("modeled [95% CI]")] == "1.37×"
+
+
+def test_the_doctor_recommends_the_fastest_unflagged_drafter():
+    from distill.doctor import recommend
+
+    def r(name, kind, es, v, **kw):
+        return row(name=name, kind=kind, eval_set=es, modeled_speedup=v, **kw)
+
+    rows = [r("best", "model", "a", 1.2), r("best", "model", "b", 1.1),
+            r("prompt_lookup", "prompt_lookup", "a", 1.05), r("prompt_lookup", "prompt_lookup", "b", 1.4),
+            r("hybrid", "hybrid", "a", 1.25), r("hybrid", "hybrid", "b", 1.45),
+            r("fast", "model", "a", 3.0, flagged={"modeled_speedup": "noise"}), r("fast", "model", "b", 3.0)]
+    ship = recommend(rows)
+    assert ship["draft"] == "hybrid" and "ship hybrid at γ = 4: mean speedup 1.35×" in ship["message"]
+    assert "fast" not in ship["message"]  # a flagged number never wins, and a set without one does not count
+    assert "recommendation" in rules(rows)
+    slow = recommend([r("best", "model", "a", 0.8)])
+    assert slow["draft"] == "best" and "nothing measured here beats the target alone" in slow["message"]
