@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from distill import evaluate
+from distill import report as rpt
 from distill.config import ConfigError
 from distill.tiny import tiny_draft, tiny_model, tiny_tokenizer
 from specdec.decoder import SpeculativeDecoder
@@ -375,3 +376,29 @@ def test_trained_on_counts_evaluated_prompts_the_run_trained_on(tmp_path, caplog
     pq.write_table(pa.table({"id": ["a-2#0", "a-2#1", "a-3", "x-9"]}), gen / "shard-r0-00000.parquet")
     assert evaluate.trained_on(cfg, sets) == {"a": 2, "b": 0}  # samples "#k" count once, per prompt
     assert "trained on 2 of the 3 prompts" in caplog.text
+
+
+def test_a_draft_that_accepts_nothing_headlines_no_speedup(run_root, capsys):
+    # the target with its final norm negated: its argmax is the target's argmin, so α = 0 exactly
+    bad = tiny_draft(tiny_model(seed=0), 0.0)
+    with torch.no_grad():
+        bad.model.norm.weight.neg_()
+    path = run_root / "runs" / "r" / "distill" / "never"
+    bad.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    evaluate.run(make_cfg(run_root, f"evaluate.drafts=[{path}]", "evaluate.repeats=3", "evaluate.warmup=1"))
+    report = read_report(run_root)
+    (row,) = rows_of(report, "never")
+    assert row["acceptance_rate"] == 0.0 and row["tokens_per_target_call"] == 1.0
+    assert row["speedup"] is None and row["modeled_speedup"] is None and "cannot beat" in row["not_timed"]
+    text = rpt.headline(report)
+    assert "no speedup over the target alone that the measurement can support" in text and "×" not in text
+    ship = [d for d in report["doctor"] if d["rule"] == "recommendation"]
+    assert not ship or "beats" not in ship[0]["message"].split(":")[0]
+
+
+def test_smoke_times_with_warmup_and_three_repeats(run_root):
+    e = make_cfg(run_root, "evaluate.repeats=3", "evaluate.warmup=1").evaluate  # the test defaults lower them
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        smoke = compose(config_name="evaluate", overrides=["experiment=smoke"]).evaluate
+    assert smoke.repeats >= 3 and smoke.warmup >= 1 and e.repeats == 3
