@@ -63,14 +63,14 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
     """
     loaders = {
         "stdlib": lambda cfg: list(_stdlib_rows()),
-        "mt_bench": lambda cfg: list(_mt_bench_rows()) if cfg.get("turn", 1) == 1 else _mt_bench_second_turns(),
+        "mt_bench": lambda cfg: list(_mt_bench_rows()) if getattr(cfg, "turn", 1) == 1 else _mt_bench_second_turns(),
         "humaneval": lambda cfg: list(_humaneval_rows()),
         "file": _file,
         "hub": _hub,
     }
     if cfg.source not in loaders:
         raise ConfigError(f"data.source={cfg.source!r} is unknown; set data.source to one of {sorted(loaders)}")
-    if cfg.get("turn", 1) not in (1, 2) or (cfg.get("turn", 1) == 2 and cfg.source != "mt_bench"):
+    if getattr(cfg, "turn", 1) not in (1, 2) or (getattr(cfg, "turn", 1) == 2 and cfg.source != "mt_bench"):
         raise ConfigError(f"turn={cfg.get('turn')} with source={cfg.source}: turn 2 exists for source=mt_bench only "
                           "(and only as an eval_data set); use turn=1")
     if cfg.limit is not None and cfg.limit < 1:
