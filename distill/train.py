@@ -185,6 +185,20 @@ def _schedule(optimizer, t: Any, elapsed_s: Callable[[], float]) -> torch.optim.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _use_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """After loading a checkpoint: schedule train.lr (not the rate saved with it), so that a rerun with a
+    lower train.lr after a divergence trains with that rate from the resumed step on."""
+    if all(b == lr for b in scheduler.base_lrs):
+        return
+    log.info("distill: train.lr=%g (the checkpoint was trained with %g): the resumed steps use %g",
+             lr, scheduler.base_lrs[0], lr)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 def _done(summary: Optional[dict], cfg: DictConfig, out) -> bool:
     return bool(summary and summary.get("done") and summary.get("max_steps") == cfg.train.max_steps
                 and summary.get("time_budget_min") == cfg.train.time_budget_min and (out / "best" / "config.json").exists())
@@ -218,6 +232,8 @@ def run(cfg: DictConfig) -> dict:
                  summary["best_teacher_forced_acceptance"], summary["best_step"], out)
         return summary
     if acc.is_main_process and (t.resume == "never" or not ck.checkpoints(out)):
+        if t.resume == "auto" and list(out.glob("diverged-*")):
+            log.warning("distill: the last attempt diverged before any good checkpoint: training from scratch")
         ck.clear(out)  # a fresh start: no best/ or summary of an earlier attempt may survive
     acc.wait_for_everyone()
 
@@ -262,6 +278,7 @@ def run(cfg: DictConfig) -> dict:
         saved, rng = ck.load_trainer_state(path, rank)
         optimizer.load_state_dict(saved.pop("optimizer"))
         scheduler.load_state_dict(saved.pop("scheduler"))
+        _use_lr(optimizer, scheduler, t.lr)
         state.update(saved)
         if rng is not None:
             ck.set_rng_state(rng)
@@ -286,7 +303,31 @@ def run(cfg: DictConfig) -> dict:
     stopped = "max_steps"
     alpha_now = state["history"][-1].get("teacher_forced_acceptance") if state["history"] else None
 
+    def diverged(what: str) -> TrainingDiverged:
+        """Set aside what the weights of state["step"] made (they diverged); the error names the last good
+        checkpoint, the one a rerun resumes from."""
+        bad_step = state["step"]
+        bad = [p.name for s, p in ck.checkpoints(out) if s >= bad_step]
+        if acc.is_main_process:
+            ck.set_aside_diverged(out, bad_step)
+        acc.wait_for_everyone()
+        good = ck.checkpoints(out)
+        aside = f" {', '.join(bad)} came from the weights that diverged: set aside as diverged-*." if bad else ""
+        fix = f"lower train.lr (now {t.lr}) or raise train.warmup_steps (now {t.warmup_steps}), then rerun"
+        if good:
+            return TrainingDiverged(f"{what}; stopped.{aside} The last good checkpoint is {good[-1][1]}; {fix}: "
+                                    f"resume=auto continues from {good[-1][1].name} with the new train.lr")
+        return TrainingDiverged(f"{what}; stopped.{aside} No good checkpoint was saved before it; {fix}: the "
+                                "rerun starts from scratch")
+
+    def finite() -> bool:
+        """Every process's weights are finite (checked before anything is written)."""
+        bad = torch.tensor(0.0 if ck.all_finite(student) else 1.0, device=acc.device)
+        return float(acc.reduce(bad, "max")) == 0
+
     def save(step: int) -> None:
+        if not finite():  # never write a non-finite checkpoint
+            raise diverged(f"the weights are not finite after step {step}")
         st = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
               "world_size": world, "global_batch": G}
         ck.save_checkpoint(out, step, student, tok, st, rank, acc.is_main_process, acc.wait_for_everyone,
@@ -341,11 +382,7 @@ def run(cfg: DictConfig) -> dict:
             loss_sum += total.detach().double()
         loss = float(acc.reduce(loss_sum, "sum")) / max(count, 1.0)
         if not math.isfinite(loss):
-            last = ck.checkpoints(out)
-            raise TrainingDiverged(
-                f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'}); stopped. The last good "
-                f"checkpoint is {last[-1][1] if last else 'none (nothing saved yet)'}; lower train.lr "
-                f"(now {t.lr}) or raise train.warmup_steps, then rerun (resume=auto continues from it)")
+            raise diverged(f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'})")
         if t.max_grad_norm and t.max_grad_norm > 0:
             acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
@@ -364,6 +401,8 @@ def run(cfg: DictConfig) -> dict:
         if state["step"] % t.eval_every == 0 or last_step:
             alpha_now = entry["teacher_forced_acceptance"] = alpha()
             if alpha_now > best.get("teacher_forced_acceptance", -1.0):
+                if not finite():
+                    raise diverged(f"the weights are not finite after step {state['step']}")
                 best = {"step": state["step"], "teacher_forced_acceptance": alpha_now}
                 if acc.is_main_process:
                     ck.save_best(out, student, tok, best, cfg.student.merge)
