@@ -514,7 +514,15 @@ def run(cfg: DictConfig) -> dict:
     if cfg.publish.dry_run:
         log.info("publish.dry_run=true: staged only; upload with publish.dry_run=false publish.repo_id=<user>/<name>")
         return summary_out
-    uploaded = upload(cfg, out)
+    try:
+        uploaded = upload(cfg, out)
+    except Exception as e:  # no network, a refused token, a server error: one message, the staged folder stays
+        from specdec.hub import endpoint
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"upload of {out} to {cfg.publish.repo_id} at {endpoint()} failed ({type(e).__name__}: "
+                          f"{first}); check the network (or HF_ENDPOINT) and that the token may write there "
+                          "(HF_TOKEN or `hf auth login`), then rerun: the staged folder is kept") from None
     record["uploads"] = record.get("uploads", []) + [uploaded]
     atomic_write_json(record_path, record)
     return {**summary_out, "upload": uploaded}

@@ -2,16 +2,30 @@
 leaves what was there intact; a resume never walks into a bad state. Tiny model, offline, CPU."""
 from __future__ import annotations
 
+import json
 import logging
+import re
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
+from huggingface_hub import constants
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill import checkpoint as ck
-from distill import train
+from distill import publish, train
+from distill.config import ConfigError, ModelConfig
+from distill.models import load_target, resolve_model_path
 from distill.train import TrainingDiverged
-from test_train import assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
+from distill.utils import cli
+from specdec import hub
+from specdec.__main__ import main as specdec_main
+from test_publish import _cfg as publish_cfg
+from test_publish import run  # noqa: F401 (a fixture: a run dir as distill and evaluate leave it)
+from test_train import ROOT, assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
 
 NAN = ("train.max_steps=4", "train.save_every=1", "train.eval_every=4")
 
@@ -75,3 +89,78 @@ def test_non_finite_weights_are_never_saved(gen, tmp_path, monkeypatch):
     assert [s for s, _ in ck.checkpoints(out)] == [1, 2] and not list(out.glob("*checkpoint-3"))
     for _, path in ck.checkpoints(out):
         assert all(bool(torch.isfinite(v).all()) for v in load_file(str(path / "model.safetensors")).values())
+
+
+# ---------------------------------------------------------------- 2. model paths, hub ids, the network
+
+
+def closed_port() -> str:
+    """A local URL nothing listens on: connecting is refused at once, as with no network."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def one_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_missing_model_path_is_one_message_and_exit_2(tmp_path, capsys):
+    missing = str(tmp_path / "no" / "such" / "dir")
+    res = subprocess.run([sys.executable, "-m", "distill.generate", "model=tiny", f"model.target={missing}",
+                          f"runs_root={tmp_path}", "logger=none"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and f"model.target={missing!r} does not exist" in one_error(res.stderr)
+    assert not (tmp_path / "default" / "generate" / "manifest.json").exists()
+    for args in (["--target", missing, "--prompt-lookup"], ["--target", "tiny-target-dir", "--draft", missing]):
+        args = [a.replace("tiny-target-dir", str(resolve_model_path("tiny", str(tmp_path / "cache")))) for a in args]
+        assert specdec_main([*args, "--prompt", "hi", "--device", "cpu"]) == 2
+        assert f"={missing!r} does not exist" in one_error(capsys.readouterr().err)
+
+
+def test_hub_id_offline_or_unreachable_is_one_message_without_trying_to_download(monkeypatch):
+    def never(*a, **kw):
+        raise AssertionError("from_pretrained ran: it retries for most of a minute without a network")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", never)
+    with pytest.raises(ConfigError, match=r"model.target='someorg/nomodel' is not a local dir.*HF_HUB_OFFLINE=1"):
+        load_target(ModelConfig(target="someorg/nomodel"))  # conftest sets HF_HUB_OFFLINE=1
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", closed_port())
+    with pytest.raises(ConfigError, match=r"hub at http://127.0.0.1:\d+ cannot be reached.*local model dir"):
+        load_target(ModelConfig(target="someorg/nomodel"))
+    # cached: loads from the cache instead of retrying the network
+    monkeypatch.setattr(hub, "_cached", lambda name, revision: True)
+    seen = {}
+    assert hub.pretrained(lambda name, **kw: seen.update(kw) or "model", "someorg/cached", "--target") == "model"
+    assert seen == {"local_files_only": True}
+
+
+def test_hub_id_that_fails_to_load_names_the_token_and_a_local_dir(monkeypatch):
+    monkeypatch.setattr(hub, "unreachable", lambda url: None)  # the hub answers...
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def gated(name, **kw):  # ...and refuses the id, as for a gated repo without a token
+        raise OSError(f"You are trying to access a gated repo.\nAccess to model {name} is restricted.")
+
+    with pytest.raises(ValueError, match=r"--target='org/gated' could not be loaded from the hub .*OSError: You are "
+                                         r"trying to access a gated repo.*HF_TOKEN"):
+        hub.pretrained(gated, "org/gated", "--target")
+
+
+def test_upload_without_network_is_one_message_and_keeps_the_staged_folder(tmp_path, run, monkeypatch, capsys):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_test_token")
+    monkeypatch.setenv("HF_ENDPOINT", closed_port())
+    cfg = publish_cfg(tmp_path, "publish.dry_run=false", "publish.repo_id=me/tiny-draft")
+    with pytest.raises(SystemExit) as exc:
+        cli(publish.run, cfg)
+    assert exc.value.code == 2
+    assert re.search(r"upload of \S+ to me/tiny-draft at http://127.0.0.1:\d+ failed \(\w+.*HF_TOKEN.*staged folder is kept",
+                     one_error(capsys.readouterr().err))
+    # the staged folder is whole and is what publish.json records: a rerun uploads it without restaging
+    files = json.loads((run / "publish.json").read_text())["files"]
+    assert files and {n: publish._sha256(run / "publish" / n) for n in files} == {n: f["sha256"] for n, f in files.items()}
+    assert sorted(p.name for p in (run / "publish").iterdir()) == sorted(files)
