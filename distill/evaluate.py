@@ -75,7 +75,7 @@ from distill.models import (
 from distill.utils import atomic_write_json, cli, start_stage
 from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.kv import KVModel
+from specdec.kv import KVModel, logits_width
 from specdec.metrics import SpecMetrics, bootstrap_ci, predicted_speedup
 from specdec.replay import draft_argmax, lookup_proposals, model_proposals, near_ties, replay
 
@@ -328,6 +328,16 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
             return DecodeResult([toks], ["eos" if eos in toks else "length"])
         return dec
 
+    def skipped(why: str) -> dict:  # a reference row that could not be measured: the report says why
+        log.warning("hf_assisted on %s skipped: %s", es.name, why)
+        return {"name": "hf_assisted", "kind": "hf_assisted", "draft": path, "assistant": name, "eval_set": es.name,
+                "error": f"skipped: {why}", "greedy_identical": None}
+
+    rows = {logits_width(target), logits_width(draft)}
+    if len(rows) > 1:  # transformers takes a vocabulary size that differs from the target's for another tokenizer
+        return skipped(f"the draft's embedding has {logits_width(draft)} rows and the target's {logits_width(target)} "
+                       "(a padded vocabulary over the same tokenizer), which transformers' assisted generation "
+                       "refuses as different tokenizers; the speculative rows above decode this draft as usual")
     gc = copy.deepcopy(draft.generation_config)
     draft.generation_config.num_assistant_tokens = gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -335,6 +345,9 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
     try:
         plain, run = time_decoders([decoder(None), decoder(draft)], [p.ids for p in es.prompts], es.batches(1),
                                    e.warmup, e.repeats, e.seed)
+    except Exception as err:  # a reference from another library: its failure must not cost the report
+        return skipped(f"transformers' assisted generation failed ({type(err).__name__}: "
+                       f"{str(err).splitlines()[0] if str(err) else ''})")
     finally:
         draft.generation_config = gc
     sp = measured_speedup(plain, run)

@@ -16,13 +16,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill import checkpoint as ck
-from distill import publish, train
+from distill import evaluate, publish, train
 from distill.config import ConfigError, ModelConfig
 from distill.models import load_target, resolve_model_path
 from distill.train import TrainingDiverged
 from distill.utils import cli
 from specdec import hub
 from specdec.__main__ import main as specdec_main
+from test_evaluate import make_cfg as eval_cfg
+from test_evaluate import read_report, rows_of
+from test_evaluate import run_root as eval_root  # noqa: F401 (a fixture: drafts in runs/r/distill)
 from test_publish import _cfg as publish_cfg
 from test_publish import run  # noqa: F401 (a fixture: a run dir as distill and evaluate leave it)
 from test_train import ROOT, assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
@@ -164,3 +167,21 @@ def test_upload_without_network_is_one_message_and_keeps_the_staged_folder(tmp_p
     files = json.loads((run / "publish.json").read_text())["files"]
     assert files and {n: publish._sha256(run / "publish" / n) for n in files} == {n: f["sha256"] for n, f in files.items()}
     assert sorted(p.name for p in (run / "publish").iterdir()) == sorted(files)
+
+
+# ---------------------------------------------------------------- 3. a padded-vocabulary draft
+
+
+def test_padded_vocabulary_draft_is_evaluated_and_its_hf_assisted_row_skipped_with_the_reason(eval_root):
+    best = eval_root / "runs" / "r" / "distill" / "best"
+    draft = AutoModelForCausalLM.from_pretrained(best)
+    draft.resize_token_embeddings(320)  # more embedding rows than the tokenizer's 259 (as Qwen2.5 drafts have)
+    draft.save_pretrained(best)
+    summary = evaluate.run(eval_cfg(eval_root, "evaluate.references=[target,hf_assisted]", "evaluate.timed_prompts=1"))
+    report = read_report(eval_root)
+    (hf,) = rows_of(report, "hf_assisted")
+    assert hf["error"].startswith("skipped:") and "has 320 rows and the target's 259" in hf["error"]
+    (row,) = rows_of(report, "best")
+    assert row["acceptance_rate"] == 1.0 and summary["greedy_identical"]  # the same weights as the target
+    assert [d["rule"] for d in report["doctor"] if d["draft"] == "hf_assisted"] == ["reference_skipped"]
+    assert "skipped:" in (eval_root / "runs" / "r" / "evaluate" / "report.md").read_text()
