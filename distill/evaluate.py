@@ -50,7 +50,7 @@ from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
 from distill.doctor import diagnose, noise_flags
-from distill.generate import record_ids
+from distill.generate import check_records_owner, record_ids
 from distill.measure import (
     FLOAT_TIE_GAP,
     Timed,
@@ -363,7 +363,10 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
 
 # -- the stage ------------------------------------------------------------------------------------
 def _candidates(cfg: DictConfig, tok) -> list[dict]:
-    """Model drafts to evaluate, tokenizers checked up front (a mismatch stops the run before work)."""
+    """Model drafts to evaluate, tokenizers checked up front (a mismatch stops the run before work), and
+    the run's generated records (the draft vocabulary and the trained-on counts read them) checked to be
+    this target's."""
+    check_records_owner(cfg, tok)
     out = []
     for name, path in resolve_drafts(cfg):
         c = {"name": name, "kind": "model", "draft": path, "error": None}

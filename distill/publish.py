@@ -480,6 +480,9 @@ def run(cfg: DictConfig) -> dict:
     prev_cfg = rd / "config.yaml"  # read before start_stage overwrites it: the config distill/evaluate ran with
     prev = OmegaConf.to_container(OmegaConf.load(prev_cfg), resolve=False) if prev_cfg.is_file() else None
     out = start_stage(cfg, "publish")
+    from distill.generate import check_records_owner
+
+    check_records_owner(cfg)  # the card names cfg.model.target: the records and the draft must be its
     if not cfg.publish.dry_run:
         _check_upload_settings(cfg)
     src = resolve_draft(cfg)
@@ -487,6 +490,9 @@ def run(cfg: DictConfig) -> dict:
     report = read_json(report_path) if report_path.is_file() else None
     problems = check_report(report, src, report_path, cfg)
     summary = read_json(rd / "distill" / "summary.json") if (rd / "distill" / "summary.json").is_file() else None
+    if summary and summary.get("target", cfg.model.target) != cfg.model.target and src.name == "best":
+        raise ConfigError(f"{src.path} was distilled for model.target={summary['target']!r}, not {cfg.model.target!r}; "
+                          f"publish with model.target={summary['target']}, or distill this target first")
     card = render_card(cfg, src, report, prev, summary, problems)
     fp = fingerprint(src, str(card), cfg)
 

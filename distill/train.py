@@ -42,7 +42,7 @@ from distill import checkpoint as ck
 from distill.batches import LogitScale, collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
 from distill.config import ConfigError, run_dir
 from distill.losses import HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, gather_teacher
-from distill.models import load_draft, load_target, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
+from distill.models import load_draft, load_target, load_tokenizer, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
 from distill.utils import cli, read_json, start_stage
 
 log = logging.getLogger(__name__)
@@ -221,9 +221,17 @@ def run(cfg: DictConfig) -> dict:
         ck.recover(out)
     acc.wait_for_everyone()
     summary = ck.read_summary(out)
-    from distill.generate import data_key
+    from distill.generate import check_records_owner, data_key
 
+    # whose records these are, and whose draft: checked before anything else (an "already done" included)
+    check_records_owner(cfg, load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir,
+                                            trust_remote_code=cfg.model.trust_remote_code))
     records_key = data_key(run_dir(cfg))
+    other = summary.get("target", cfg.model.target) != cfg.model.target if summary else False
+    if other and (ck.checkpoints(out) or _done(summary, cfg, out)) and t.resume == "auto":
+        raise ConfigError(f"{out} holds a draft distilled for model.target={summary['target']!r}, not "
+                          f"{cfg.model.target!r}; set train.resume=never to train anew for this target (it replaces "
+                          "that draft), or use another run_name")
     if t.resume == "auto" and ck.checkpoints(out) and summary and summary.get("data") != records_key:
         raise ConfigError(f"{out} holds a draft trained on other records than {run_dir(cfg)}/generate holds now; "
                           "set train.resume=never to train anew on these (it replaces that draft), or use another run_name")
@@ -336,7 +344,7 @@ def run(cfg: DictConfig) -> dict:
     def summarize(done: bool) -> dict:
         rates = [h["tokens_per_s"] for h in state["history"] if h.get("tokens_per_s")]
         return {
-            "stage": "distill", "dir": str(out), "done": done, "stopped": stopped if done else None,
+            "stage": "distill", "dir": str(out), "target": cfg.model.target, "done": done, "stopped": stopped if done else None,
             "step": state["step"], "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
             "init_teacher_forced_acceptance": state.get("init_teacher_forced_acceptance"),
             "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),

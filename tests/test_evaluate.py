@@ -233,7 +233,7 @@ def test_resolve_drafts_gives_same_named_dirs_distinct_names(run_root, tmp_path)
     ("evaluate.drafts=['{root}/nothing-*']", "matches no directory"),
     ("evaluate.drafts=[{root}/no/such/dir]", "does not exist"),
     ("model.target={root}/missing-target", "does not exist"),
-    ("model.target=no-such-model-anywhere", "could not be loaded"),
+    ("model.target=no-such-model-anywhere", "is not a local dir"),
     ("run_name=fresh", "'best' but"),
 ])
 def test_bad_input_is_one_message_and_exit_2(run_root, capsys, override, needle):

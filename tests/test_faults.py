@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,9 +17,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill import checkpoint as ck
-from distill import evaluate, publish, train
+from distill import evaluate, generate, publish, train
 from distill.config import ConfigError, ModelConfig
-from distill.models import load_target, resolve_model_path
+from distill.models import TokenizerMismatch, load_target, resolve_model_path
+from distill.tiny import tiny_model, tiny_tokenizer
 from distill.train import TrainingDiverged
 from distill.utils import cli
 from specdec import hub
@@ -185,3 +187,68 @@ def test_padded_vocabulary_draft_is_evaluated_and_its_hf_assisted_row_skipped_wi
     assert row["acceptance_rate"] == 1.0 and summary["greedy_identical"]  # the same weights as the target
     assert [d["rule"] for d in report["doctor"] if d["draft"] == "hf_assisted"] == ["reference_skipped"]
     assert "skipped:" in (eval_root / "runs" / "r" / "evaluate" / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- 4. whose records, whose draft
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict:
+    """Two more targets: one sharing the tiny tokenizer (other weights), one with another tokenizer."""
+    root = tmp_path_factory.mktemp("targets")
+    other_tok = tiny_tokenizer()
+    other_tok.add_special_tokens({"additional_special_tokens": ["<|other|>"]})
+    dirs = {"same_tok": (tiny_model(seed=1), tiny_tokenizer()), "other_tok": (tiny_model(seed=0, vocab_size=260), other_tok)}
+    for name, (model, tok) in dirs.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return {name: str(root / name) for name in dirs}
+
+
+def test_distill_refuses_records_another_target_made(gen, tmp_path, targets, capsys):
+    cfg = setup_run(gen, tmp_path, "own", "train.max_steps=2", f"model.target={targets['same_tok']}")
+    with pytest.raises(SystemExit) as exc:
+        cli(train.run, cfg)
+    msg = one_error(capsys.readouterr().err)
+    assert exc.value.code == 2 and "holds records made by 'tiny'" in msg and f"model.target={targets['same_tok']!r}" in msg
+    assert "model.target: 'tiny' here" in msg and "another run_name" in msg and "generate.overwrite=true" in msg
+    assert not (tmp_path / "own" / "distill" / "summary.json").exists()
+
+
+def test_a_finished_distill_is_not_already_done_for_another_target(gen, tmp_path, targets):
+    cfg = setup_run(gen, tmp_path, "done", "train.max_steps=2")
+    first = train.run(cfg)
+    assert first["target"] == "tiny"
+    with pytest.raises(ConfigError, match=r"holds records made by 'tiny'.*tokenizer_fingerprint"):
+        train.run(make_cfg(tmp_path, "done", gen["prompts"], "train.max_steps=2", f"model.target={targets['other_tok']}"))
+    # a draft whose summary names another target is not resumed nor "already done" either
+    path = tmp_path / "done" / "distill" / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "target": "someone-else"}))
+    with pytest.raises(ConfigError, match=r"distilled for model.target='someone-else', not 'tiny'; set train.resume=never"):
+        train.run(cfg)
+    best = load_file(str(tmp_path / "done" / "distill" / "best" / "model.safetensors"))
+    again = train.run(make_cfg(tmp_path, "done", gen["prompts"], "train.max_steps=2", "train.resume=never"))
+    assert again["target"] == "tiny" and again["done"] and best.keys() == load_file(
+        str(tmp_path / "done" / "distill" / "best" / "model.safetensors")).keys()
+
+
+def test_evaluate_and_publish_refuse_records_another_target_made(gen, tmp_path, targets):
+    shutil.copytree(gen["dir"], tmp_path / "runs" / "r" / "generate")
+    with pytest.raises(ConfigError, match=r"holds records made by 'tiny'"):
+        evaluate.run(eval_cfg(tmp_path, f"model.target={targets['same_tok']}", "evaluate.drafts=[]"))
+    assert not (tmp_path / "runs" / "r" / "evaluate" / "report.json").exists()
+    with pytest.raises(ConfigError, match=r"holds records made by 'tiny'"):
+        publish.run(publish_cfg(tmp_path, "run_name=r", f"model.target={targets['same_tok']}"))
+
+
+def test_pretrained_draft_with_another_tokenizer_stops_generate_before_any_work(tmp_path, targets, monkeypatch):
+    def no_work(*a, **kw):
+        raise AssertionError("generate did work before the tokenizer check")
+
+    monkeypatch.setattr(generate, "load_target", no_work)
+    monkeypatch.setattr(generate, "build_items", no_work)
+    cfg = make_cfg(tmp_path, "pre", str(tmp_path / "unused.jsonl"), "model.draft_init=pretrained",
+                   f"model.draft={targets['other_tok']}", stage="generate")
+    with pytest.raises(TokenizerMismatch, match="do not share a tokenizer"):
+        generate.run(cfg)
+    assert not list((tmp_path / "pre" / "generate").glob("*"))
