@@ -389,7 +389,7 @@ def _load_candidate(cfg: DictConfig, c: dict, target, tok):
     m = cfg.model
     if c["name"] == "init" and c["draft"] is None:
         return load_draft(m, target, tok)
-    return load_model(c["draft"], m.dtype, m.device, None, m.trust_remote_code, m.cache_dir)
+    return load_model(c["draft"], m.dtype, m.device, None, m.trust_remote_code, m.cache_dir, "evaluate.drafts")
 
 
 def _dir_stamp(path: Optional[str]) -> Any:
@@ -549,6 +549,7 @@ def run(cfg: DictConfig) -> dict:
                  out / "report.json")
         if not done["greedy_identical"]:
             raise GreedyMismatch(f"the report in {out / 'report.json'} records a greedy mismatch: a decoder bug")
+        _refuse_unloadable(done["rows"], out)
         return {"report": str(out / "report.json"), "best": done["best"], "greedy_identical": True,
                 "rows": len(done["rows"]), "skipped": True}
     target, tok = _load_target(cfg)
@@ -609,8 +610,18 @@ def run(cfg: DictConfig) -> dict:
     if not report["greedy_identical"]:
         raise GreedyMismatch("speculative greedy output differs from the target's own greedy output, or replayed "
                              f"counts from decoded ones (see doctor in {out / 'report.json'}): a decoder bug")
+    _refuse_unloadable(rows, out)
     return {"report": str(out / "report.json"), "best": report["best"], "greedy_identical": True,
             "rows": len(rows)}
+
+
+def _refuse_unloadable(rows: list[dict], out: Path) -> None:
+    """Exit 2 (ConfigError) after the report when a requested draft could not be loaded: its row is only an
+    error, and a run that measured nothing of it must not pass as done."""
+    bad = [f"{r['name']} ({r.get('draft')}): {r['error']}" for r in rows if r.get("kind") == "model" and r.get("error")]
+    if bad:
+        raise ConfigError(f"{len(bad)} requested draft(s) could not be loaded: {'; '.join(bad)}. The report "
+                          f"{out / 'report.json'} holds the rest; replace or remove them in evaluate.drafts")
 
 
 def trained_on(cfg: DictConfig, sets: list[EvalSet]) -> dict[str, int]:

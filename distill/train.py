@@ -185,6 +185,37 @@ def _schedule(optimizer, t: Any, elapsed_s: Callable[[], float]) -> torch.optim.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _resume_point(out, student: torch.nn.Module, rank: int, acc: Any) -> tuple[int, Any, dict, Optional[dict]]:
+    """Load the latest checkpoint that loads whole and has finite weights into `student` -> (step, dir, its
+    trainer state, this rank's RNG state). Later ones that do not (truncated, corrupt, non-finite) are set
+    aside as broken-checkpoint-<step>, named with the one resumed from; ConfigError when none loads."""
+    broken, found = [], None
+    for step, path in reversed(ck.checkpoints(out)):
+        try:
+            ck.load_weights(student, path)
+            if not ck.all_finite(student):
+                raise ValueError("its weights are not finite")
+            saved, rng = ck.load_trainer_state(path, rank)
+        except Exception as e:  # whatever a damaged file raises (SafetensorError, EOFError, UnpicklingError, ...)
+            broken.append((path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+            continue
+        found = (step, path, saved, rng)
+        break
+    acc.wait_for_everyone()  # every process has tried them before any is renamed
+    if acc.is_main_process:
+        for path, _ in broken:
+            ck.set_aside(path, "broken")
+    acc.wait_for_everyone()
+    what = "; ".join(f"{p.name} ({why})" for p, why in broken)
+    if found is None:
+        raise ConfigError(f"no checkpoint in {out} can be resumed from: {what}; they are set aside as broken-*, so a "
+                          "rerun trains from scratch (or set train.resume=never now)")
+    for path, why in broken:
+        log.warning("distill: %s cannot be resumed from (%s); set aside as broken-%s. Resuming from the previous "
+                    "good checkpoint %s instead", path, why, path.name, found[1].name)
+    return found
+
+
 def _use_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
     """After loading a checkpoint: schedule train.lr (not the rate saved with it), so that a rerun with a
     lower train.lr after a divergence trains with that rate from the resumed step on."""
@@ -279,11 +310,8 @@ def run(cfg: DictConfig) -> dict:
 
     state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
     scheduler = _schedule(optimizer, t, lambda: state["elapsed_s"])
-    ckpts = ck.checkpoints(out)
-    if t.resume == "auto" and ckpts:
-        step0, path = ckpts[-1]
-        ck.load_weights(student, path)
-        saved, rng = ck.load_trainer_state(path, rank)
+    if t.resume == "auto" and ck.checkpoints(out):
+        step0, path, saved, rng = _resume_point(out, student, rank, acc)
         optimizer.load_state_dict(saved.pop("optimizer"))
         scheduler.load_state_dict(saved.pop("scheduler"))
         _use_lr(optimizer, scheduler, t.lr)

@@ -252,3 +252,46 @@ def test_pretrained_draft_with_another_tokenizer_stops_generate_before_any_work(
     with pytest.raises(TokenizerMismatch, match="do not share a tokenizer"):
         generate.run(cfg)
     assert not list((tmp_path / "pre" / "generate").glob("*"))
+
+
+# ---------------------------------------------------------------- 5. a truncated or corrupt checkpoint
+
+
+def test_resume_falls_back_past_damaged_checkpoints_naming_them(gen, tmp_path, caplog):
+    const = ("train.schedule=constant", "train.save_every=1", "train.eval_every=2")  # lr independent of max_steps
+    train.run(setup_run(gen, tmp_path, "dmg", *const, "train.max_steps=4"))
+    out = tmp_path / "dmg" / "distill"
+    weights_file = out / "checkpoint-4" / "model.safetensors"
+    with open(weights_file, "r+b") as f:  # truncate -s: the file ends early
+        f.truncate(weights_file.stat().st_size // 2)
+    (out / "checkpoint-3" / "trainer_state" / "state.pt").write_bytes(b"\0" * 100)  # a corrupt optimizer state
+    caplog.set_level(logging.INFO, logger="distill.train")
+    more = train.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=6"))
+    log = caplog.text
+    assert re.search(r"checkpoint-4 cannot be resumed from \(\w+.*set aside as broken-checkpoint-4.*previous good "
+                     r"checkpoint checkpoint-2", log)
+    assert re.search(r"checkpoint-3 cannot be resumed from .*checkpoint-2", log) and "resuming from" in log
+    assert (out / "broken-checkpoint-4").is_dir() and (out / "broken-checkpoint-3").is_dir() and more["step"] == 6
+    ref = train.run(setup_run(gen, tmp_path, "whole", *const, "train.max_steps=6"))
+    assert losses(more) == losses(ref)  # resumed at step 2: the same as never interrupted
+    assert_same_weights(out / "checkpoint-6", tmp_path / "whole" / "distill" / "checkpoint-6")
+    for _, path in ck.checkpoints(out):
+        (path / "trainer_state" / "state.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"no checkpoint in \S+ can be resumed from: checkpoint-6 \(.*rerun trains from scratch"):
+        train.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=8"))
+    assert ck.checkpoints(out) == [] and (out / "broken-checkpoint-6").is_dir()
+
+
+def test_evaluate_exits_2_after_the_report_when_a_requested_draft_cannot_be_loaded(eval_root, capsys):
+    best = eval_root / "runs" / "r" / "distill" / "best" / "model.safetensors"
+    best.write_bytes(best.read_bytes()[:1000])  # truncated
+    cfg = eval_cfg(eval_root, "evaluate.drafts=[best,checkpoints]")
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main_cli(cfg)
+    msg = one_error(capsys.readouterr().err)
+    assert exc.value.code == 2 and re.search(r"1 requested draft\(s\) could not be loaded: best \(\S+best\): \w+", msg)
+    report = read_report(eval_root)
+    assert rows_of(report, "best")[0]["error"] and rows_of(report, "checkpoint-10")[0]["acceptance_rate"] == 1.0
+    with pytest.raises(SystemExit) as exc:  # the report is current now; a rerun still does not pass
+        evaluate.main_cli(cfg)
+    assert exc.value.code == 2
