@@ -639,6 +639,13 @@ def run(cfg: DictConfig) -> dict:
 
     per_rank = gather_object([{"expected": expected, "skipped": counts["skipped"], "truncated": counts["truncated"],
                                "new_tokens": new_tokens, "seconds": seconds}])
+    if not any(r["expected"] for r in per_rank):  # every prompt skipped as too long: nothing to train on
+        limit = prompt_token_limit(g.max_prompt_tokens, model_config, g.max_new_tokens)
+        raise ConfigError(
+            f"all {counts['prompts']} prompts are longer than the prompt limit of {limit} tokens "
+            f"(generate.max_prompt_tokens={g.max_prompt_tokens}, within the target's context less "
+            f"generate.max_new_tokens={g.max_new_tokens}), so there is nothing to answer; raise "
+            "generate.max_prompt_tokens, or set generate.overlong=truncate to keep each prompt's last tokens")
     summary: dict = {}
     if state.is_main_process:
         summary = _write_manifest(cfg, out, ident, counts["prompts"], per_rank, world)

@@ -129,6 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tok(args.prompt)["input_ids"]
+    models = [("target", target)] + ([] if args.prompt_lookup else [("draft", draft)])
+    contexts = {n: getattr(m.config, "max_position_embeddings", None) for n, m in models}
+    context = min((c for c in contexts.values() if c), default=None)
+    if context and len(ids) + args.max_new_tokens > context:
+        who = " and ".join(f"the {n}'s {c}" for n, c in contexts.items() if c)
+        fix = (f"lower --max-new-tokens to {context - len(ids)} or shorten the prompt" if len(ids) < context
+               else "shorten the prompt")
+        print(f"error: the prompt has {len(ids)} tokens and --max-new-tokens is {args.max_new_tokens}: "
+              f"{len(ids) + args.max_new_tokens} positions, more than the context of {context} "
+              f"(max_position_embeddings: {who}); {fix}", file=sys.stderr)
+        return 2
     eos = [t for t in {tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)} if t is not None]
     eos = sorted({x for t in eos for x in (t if isinstance(t, list) else [t])})
     try:

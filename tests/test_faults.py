@@ -13,12 +13,14 @@ import sys
 import pytest
 import torch
 from huggingface_hub import constants
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill import checkpoint as ck
 from distill import evaluate, generate, publish, train
-from distill.config import ConfigError, ModelConfig
+from distill.config import ConfigError, DataConfig, ModelConfig, unknown_keys
+from distill.data import load_prompts
 from distill.models import TokenizerMismatch, load_target, resolve_model_path
 from distill.tiny import tiny_model, tiny_tokenizer
 from distill.train import TrainingDiverged
@@ -30,7 +32,7 @@ from test_evaluate import read_report, rows_of
 from test_evaluate import run_root as eval_root  # noqa: F401 (a fixture: drafts in runs/r/distill)
 from test_publish import _cfg as publish_cfg
 from test_publish import run  # noqa: F401 (a fixture: a run dir as distill and evaluate leave it)
-from test_train import ROOT, assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
+from test_train import PROMPTS, ROOT, assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
 
 NAN = ("train.max_steps=4", "train.save_every=1", "train.eval_every=4")
 
@@ -295,3 +297,53 @@ def test_evaluate_exits_2_after_the_report_when_a_requested_draft_cannot_be_load
     with pytest.raises(SystemExit) as exc:  # the report is current now; a rerun still does not pass
         evaluate.main_cli(cfg)
     assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------- 6. the minor ones
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "the file is empty"),
+    ("\n  \n", "the file is empty"),
+    ('{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n', "line 2 is not valid JSON"),
+    ('{"prompt": "a"}\n["b"]\n', "line 2 is a JSON list, not an object"),
+])
+def test_unreadable_jsonl_says_why(tmp_path, text, needle):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"data.path='{re.escape(str(path))}'.*{needle}"):
+        load_prompts(OmegaConf.structured(DataConfig(source="file", path=str(path))))
+
+
+def test_every_prompt_too_long_is_exit_2_naming_the_settings(gen, tmp_path, capsys):
+    cfg = make_cfg(tmp_path, "long", gen["prompts"], "generate.max_prompt_tokens=3", stage="generate")
+    with pytest.raises(SystemExit) as exc:
+        cli(generate.run, cfg)
+    msg = one_error(capsys.readouterr().err)
+    assert exc.value.code == 2 and f"all {len(PROMPTS)} prompts are longer than the prompt limit of 3 tokens" in msg
+    assert "raise generate.max_prompt_tokens" in msg and "generate.overlong=truncate" in msg
+    assert not list((tmp_path / "long" / "generate").glob("*"))  # no manifest, no shard
+
+
+def test_specdec_refuses_a_prompt_and_answer_longer_than_the_context(tmp_path, capsys):
+    target = resolve_model_path("tiny", str(tmp_path / "cache"))  # max_position_embeddings=512, byte-level tokens
+    args = ["--target", target, "--prompt-lookup", "--raw", "--device", "cpu"]
+    assert specdec_main([*args, "--prompt", "x" * 500, "--max-new-tokens", "20"]) == 2
+    msg = one_error(capsys.readouterr().err)
+    assert "the prompt has 500 tokens and --max-new-tokens is 20: 520 positions, more than the context of 512" in msg
+    assert "lower --max-new-tokens to 12" in msg
+    assert specdec_main([*args, "--prompt", "x" * 500, "--max-new-tokens", "12"]) == 0  # exactly fits
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+train.lrr=1", "train.lrr is not a setting: `+` added it and no stage reads it; remove it (did you mean train.lr?)"),
+    ("+eval_data.mt_bench.sourcee=x", "eval_data.mt_bench.sourcee is not a setting"),
+])
+def test_a_key_added_with_plus_is_refused(gen, tmp_path, capsys, override, message):
+    cfg = make_cfg(tmp_path, "plus", gen["prompts"], override)
+    with pytest.raises(SystemExit) as exc:
+        cli(train.run, cfg)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "plus").exists()
+    # a free-form dict takes any key
+    assert unknown_keys(make_cfg(tmp_path, "plus", gen["prompts"], "+model.draft_config.num_hidden_layers=1")) == []
