@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from distill.utils import atomic_write_json, read_json
+from distill.utils import atomic_write_json, read_json, writing
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +128,20 @@ def save_checkpoint(
     """Write checkpoint-<step> atomically from every process (each saves its RNG), keep the last `keep`."""
     final = out / f"checkpoint-{step}"
     tmp = out / f".checkpoint-{step}.tmp"
+    drop = lambda: shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731 (a failed write leaves no half checkpoint)
     if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_model_dir(model, tok, tmp, merge)
-        (tmp / STATE).mkdir()
+        drop()
+        with writing(final, drop):
+            save_model_dir(model, tok, tmp, merge)
+            (tmp / STATE).mkdir()
     barrier()
-    torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
+    with writing(final, drop):
+        torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
     barrier()
     if is_main:
-        torch.save(state, tmp / STATE / "state.pt")
-        atomic_write_json(tmp / STATE / "trainer_state.json", {k: v for k, v in state.items() if k in INFO_KEYS})
+        with writing(final, drop):
+            torch.save(state, tmp / STATE / "state.pt")
+            atomic_write_json(tmp / STATE / "trainer_state.json", {k: v for k, v in state.items() if k in INFO_KEYS})
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -191,8 +195,9 @@ def save_best(out: Path, model: torch.nn.Module, tok: Any, info: dict, merge: bo
     """Replace best/ with the current model (atomically: written aside, then swapped in)."""
     tmp = out / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(model, tok, tmp, merge)
-    atomic_write_json(tmp / "best.json", info)
+    with writing(out / "best", lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        save_model_dir(model, tok, tmp, merge)
+        atomic_write_json(tmp / "best.json", info)
     _replace_dir(tmp, out / "best")
 
 
@@ -207,7 +212,8 @@ def save_init(out: Path, model: torch.nn.Module, tok: Any) -> Path:
     if not (final / "config.json").exists():
         tmp = out / ".init.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model_dir(model, tok, tmp)
+        with writing(final, lambda: shutil.rmtree(tmp, ignore_errors=True)):
+            save_model_dir(model, tok, tmp)
         _replace_dir(tmp, final)
     return final
 

@@ -60,7 +60,7 @@ from distill.models import (
     check_tokenizers, load_target, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path, shared_vocab_size,
     tokenizer_fingerprint,
 )
-from distill.utils import atomic_write_json, cli, read_json, start_stage
+from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.decoder import left_pad
 from specdec.kv import KVModel
 from specdec.sampling import SamplingParams, logits_to_probs, sample
@@ -394,9 +394,10 @@ def write_shard(out: Path, name: str, items: list[Item], outputs: list[Output], 
             cols[col] = pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, k))
     table = pa.table(cols).replace_schema_metadata({META_KEY: json.dumps(ident).encode()})
     tmp = out / f".{name}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    with writing(out / name, lambda: tmp.unlink(missing_ok=True)):  # a full disk: no half shard, one message
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     os.replace(tmp, out / name)
 
 

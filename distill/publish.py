@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.models import run_draft_vocab
-from distill.utils import atomic_write_json, cli, read_json, start_stage
+from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
 
 log = logging.getLogger(__name__)
@@ -427,8 +427,18 @@ def fingerprint(src: DraftSource, card_text: str, cfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _recover(rd: Path, out: Path) -> None:
+    """Undo what a kill during swap_in leaves: out moved aside as .publish.old-* and the new one not yet in
+    place. The previous folder goes back (publish.json still describes it)."""
+    old = sorted(rd.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if old and not out.exists():
+        os.rename(old[-1], out)
+        log.warning("publish: an interrupted publish had moved %s aside; restored it", out)
+
+
 def swap_in(tmp: Path, out: Path) -> None:
-    """Replace out with tmp (two renames; a leftover .publish.old-* from a crash is removed next time)."""
+    """Replace out with tmp (two renames; a kill between them leaves .publish.old-*, which the next run
+    puts back before it stages anything)."""
     os.chmod(tmp, 0o755)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
@@ -496,6 +506,7 @@ def run(cfg: DictConfig) -> dict:
     card = render_card(cfg, src, report, prev, summary, problems)
     fp = fingerprint(src, str(card), cfg)
 
+    _recover(rd, out)
     record_path = rd / "publish.json"
     record = read_json(record_path) if record_path.is_file() else {}
     if record.get("fingerprint") == fp and (out / "README.md").is_file():
@@ -505,7 +516,8 @@ def run(cfg: DictConfig) -> dict:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".publish.tmp-", dir=rd))
         try:
-            stage(cfg, src, card, tmp)
+            with writing(out):  # a full disk: one message (tmp is removed below; the previous folder stays)
+                stage(cfg, src, card, tmp)
             swap_in(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

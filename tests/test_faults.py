@@ -2,6 +2,7 @@
 leaves what was there intact; a resume never walks into a bad state. Tiny model, offline, CPU."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -109,7 +110,8 @@ def closed_port() -> str:
 
 
 def one_error(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    # (a progress bar that the error ended may leave its line open: the message can follow it on that line)
+    lines = [line[line.index("error: "):] for line in re.split(r"[\r\n]", err) if "error: " in line]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 
@@ -347,3 +349,73 @@ def test_a_key_added_with_plus_is_refused(gen, tmp_path, capsys, override, messa
     assert not (tmp_path / "plus").exists()
     # a free-form dict takes any key
     assert unknown_keys(make_cfg(tmp_path, "plus", gen["prompts"], "+model.draft_config.num_hidden_layers=1")) == []
+
+
+# ---------------------------------------------------------------- 7. an interrupted publish, a full disk
+
+
+def folder(path) -> dict:
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_interrupted_publish_keeps_the_previous_folder(tmp_path, run):
+    publish.run(publish_cfg(tmp_path))
+    before, record = folder(run / "publish"), (run / "publish.json").read_text()
+    # a kill during staging leaves a partial temp folder beside the intact one...
+    partial = run / ".publish.tmp-killed"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    # ...and a kill between swap_in's two renames leaves the previous folder moved aside, none in place
+    (run / "publish").rename(run / ".publish.old-12345")
+    again = publish.run(publish_cfg(tmp_path))
+    assert folder(run / "publish") == before and (run / "publish.json").read_text() == record  # restored, not restaged
+    assert again["fingerprint"] == json.loads(record)["fingerprint"] and not list(run.glob(".publish.*"))
+
+
+def no_space(real, fail_on: int):
+    """`real` that, on its fail_on-th call, writes a few bytes of its file and raises ENOSPC."""
+    calls = {"n": 0}
+
+    def write(obj, where, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == fail_on:
+            with open(where, "wb") as f:
+                f.write(b"PAR1 half a file")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, where, *a, **kw)
+
+    return write
+
+
+def test_full_disk_while_generating_is_one_message_and_keeps_the_written_shards(gen, tmp_path, monkeypatch, capsys):
+    cfg = make_cfg(tmp_path, "full", gen["prompts"], "generate.shard_size=8", stage="generate")
+    out = tmp_path / "full" / "generate"
+    monkeypatch.setattr(generate.pq, "write_table", no_space(generate.pq.write_table, fail_on=2))
+    with pytest.raises(SystemExit) as exc:
+        cli(generate.run, cfg)
+    msg = one_error(capsys.readouterr().err)
+    assert exc.value.code == 2 and re.search(r"no space left on the device while writing \S+shard-r0-00001.parquet", msg)
+    assert [p.name for p in out.iterdir()] == ["shard-r0-00000.parquet"]  # no half shard, no temp file
+    assert len(generate.load_generated(out)) == 8
+    monkeypatch.undo()  # space freed: the rerun keeps the 8 records and makes the rest, as one run would
+    generate.run(cfg)
+    done, ref = generate.load_generated(out), generate.load_generated(gen["dir"])
+    assert done["id"] == ref["id"] and done["response_ids"] == ref["response_ids"]
+
+
+def test_full_disk_while_saving_a_checkpoint_keeps_the_previous_one(gen, tmp_path, monkeypatch, capsys, caplog):
+    cfg = setup_run(gen, tmp_path, "fullck", *NAN)
+    out = tmp_path / "fullck" / "distill"
+    # torch.save runs twice per checkpoint (rng, state): the 4th call is checkpoint-2's state.pt
+    monkeypatch.setattr(torch, "save", no_space(torch.save, fail_on=4))
+    with pytest.raises(SystemExit) as exc:
+        cli(train.run, cfg)
+    msg = one_error(capsys.readouterr().err)
+    assert exc.value.code == 2 and re.search(r"no space left on the device while writing \S+checkpoint-2 ", msg)
+    assert [s for s, _ in ck.checkpoints(out)] == [1] and not list(out.glob(".checkpoint-*"))
+    assert not (out / "checkpoint-2").exists()
+    monkeypatch.undo()
+    caplog.set_level(logging.INFO, logger="distill.train")
+    done = train.run(cfg)  # resumes from checkpoint-1 and finishes
+    assert re.search(r"resuming from \S+checkpoint-1 ", caplog.text)
+    assert done["done"] and [s for s, _ in ck.checkpoints(out)] == [1, 2, 3, 4]
