@@ -339,7 +339,7 @@ def _jsonl_problem(path: str) -> Optional[str]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 return f"line {n} is not valid JSON ({e.msg}, column {e.colno}): {line.strip()[:80]!r}"
             if not isinstance(row, dict):
