@@ -7,6 +7,13 @@
     best/                plain HF model dir of the step with the highest α_TF (+ best.json)
     init/                the undistilled draft (LoRA only: the adapter's base model)
     summary.json         history (step, loss, α_TF, tokens/s), init and best α_TF, settings, done
+    diverged-checkpoint-<step>/, diverged-best/
+                         set aside when the loss became non-finite: made by the weights that diverged
+    broken-checkpoint-<step>/
+                         set aside when a resume found it unloadable (truncated, corrupt) or non-finite
+
+A checkpoint is good when its weights are finite and they never produced a non-finite loss (its step
+is before the step whose loss diverged); resume takes the latest good one.
 
 Every directory is written under a temporary dot-name and renamed into place, so a kill -9 at any
 moment leaves either the previous complete directory or the new complete one, never half of one.
@@ -25,7 +32,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from distill.utils import atomic_write_json, read_json
+from distill.utils import atomic_write_json, read_json, writing
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,30 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
         if m and (p / STATE / "state.pt").exists():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    """True when every parameter of `model` is finite (no NaN or inf)."""
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def set_aside(path: Path, prefix: str) -> Path:
+    """Rename a checkpoint dir to <prefix>-<name> beside it (replacing an earlier one): kept for a look,
+    never resumed from, removed by clear()."""
+    dest = path.parent / f"{prefix}-{path.name}"
+    shutil.rmtree(dest, ignore_errors=True)
+    os.rename(path, dest)
+    return dest
+
+
+def set_aside_diverged(out: Path, bad_step: int) -> list[Path]:
+    """Set aside every checkpoint (and best/) made at or after `bad_step`, the step whose weights gave a
+    non-finite loss: resuming from them would diverge again. Returns the new paths."""
+    moved = [set_aside(p, "diverged") for step, p in checkpoints(out) if step >= bad_step]
+    info = best_info(out)
+    if info is not None and info.get("step", 0) >= bad_step:
+        moved.append(set_aside(out / "best", "diverged"))
+    return moved
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -97,16 +128,20 @@ def save_checkpoint(
     """Write checkpoint-<step> atomically from every process (each saves its RNG), keep the last `keep`."""
     final = out / f"checkpoint-{step}"
     tmp = out / f".checkpoint-{step}.tmp"
+    drop = lambda: shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731 (a failed write leaves no half checkpoint)
     if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_model_dir(model, tok, tmp, merge)
-        (tmp / STATE).mkdir()
+        drop()
+        with writing(final, drop):
+            save_model_dir(model, tok, tmp, merge)
+            (tmp / STATE).mkdir()
     barrier()
-    torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
+    with writing(final, drop):
+        torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
     barrier()
     if is_main:
-        torch.save(state, tmp / STATE / "state.pt")
-        atomic_write_json(tmp / STATE / "trainer_state.json", {k: v for k, v in state.items() if k in INFO_KEYS})
+        with writing(final, drop):
+            torch.save(state, tmp / STATE / "state.pt")
+            atomic_write_json(tmp / STATE / "trainer_state.json", {k: v for k, v in state.items() if k in INFO_KEYS})
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -160,8 +195,9 @@ def save_best(out: Path, model: torch.nn.Module, tok: Any, info: dict, merge: bo
     """Replace best/ with the current model (atomically: written aside, then swapped in)."""
     tmp = out / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(model, tok, tmp, merge)
-    atomic_write_json(tmp / "best.json", info)
+    with writing(out / "best", lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        save_model_dir(model, tok, tmp, merge)
+        atomic_write_json(tmp / "best.json", info)
     _replace_dir(tmp, out / "best")
 
 
@@ -176,14 +212,16 @@ def save_init(out: Path, model: torch.nn.Module, tok: Any) -> Path:
     if not (final / "config.json").exists():
         tmp = out / ".init.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model_dir(model, tok, tmp)
+        with writing(final, lambda: shutil.rmtree(tmp, ignore_errors=True)):
+            save_model_dir(model, tok, tmp)
         _replace_dir(tmp, final)
     return final
 
 
 def clear(out: Path) -> None:
     """Remove every checkpoint, best/, init/ and summary.json (train.resume=never)."""
-    for p in list(out.glob("checkpoint-*")) + [out / "best", out / "init"] + list(out.glob(".*")):
+    every = [*out.glob("checkpoint-*"), *out.glob("diverged-*"), *out.glob("broken-*")]
+    for p in every + [out / "best", out / "init"] + list(out.glob(".*")):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
     (out / "summary.json").unlink(missing_ok=True)

@@ -9,6 +9,8 @@ generate, loss, student, train, evaluate, publish.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -243,6 +245,26 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return OmegaConf.select(cfg, dotted)
 
 
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Dotted keys of `cfg` that its schema does not have: Hydra's `+key=value` adds them to a structured
+    config without a word, and no stage would read them (a typo such as `+train.lrr=1` would be ignored)."""
+    found: list[str] = []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        typ = OmegaConf.get_type(node)
+        fields = {f.name for f in dataclasses.fields(typ)} if dataclasses.is_dataclass(typ) else None
+        for key in node.keys():
+            if fields is not None and key not in fields:
+                found.append(f"{prefix}{key}")
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+                walk(child, f"{prefix}{key}.")
+
+    walk(cfg, "")
+    return found
+
+
 def validate(cfg: DictConfig | Config) -> None:
     """Raise ConfigError (one message naming the fix) for values no stage can run with."""
     if not isinstance(cfg, DictConfig):
@@ -253,6 +275,12 @@ def validate(cfg: DictConfig | Config) -> None:
         if not ok:
             errors.append(msg)
 
+    for key in unknown_keys(cfg):
+        section, _, name = key.rpartition(".")
+        known = [f.name for f in dataclasses.fields(OmegaConf.get_type(OmegaConf.select(cfg, section) if section else cfg))]
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {section + '.' if section else ''}{near[0]}?)" if near else ""
+        errors.append(f"{key} is not a setting: `+` added it and no stage reads it; remove it{hint}")
     for key, allowed in CHOICES.items():
         val = _get(cfg, key)
         need(val in allowed, f"{key}={val!r} is not one of {sorted(allowed)}; set {key}=<one of those>")

@@ -321,11 +321,30 @@ def _file(cfg: DataConfig) -> list[dict]:
     ext = os.path.splitext(path)[1].lower()
     if ext not in FILE_BUILDERS:
         raise ConfigError(f"data.path={cfg.path!r}: unsupported file type {ext!r}; use one of {sorted(FILE_BUILDERS)}")
+    if not open(path, "rb").read(1 << 16).strip():
+        raise ConfigError(f"data.path={cfg.path!r}: the file is empty; it needs one prompt per row "
+                          f"(a {cfg.messages_column or cfg.prompt_column!r} field)")
     try:
         ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=path, split="train")
-    except Exception as e:  # the builders' own errors do not name the file
-        raise ConfigError(f"data.path={cfg.path!r} could not be read as {ext[1:]}: {e}") from e
+    except Exception as e:  # the builders' own errors do not name the file, nor the line
+        why = (_jsonl_problem(path) if ext == ".jsonl" else None) or e
+        raise ConfigError(f"data.path={cfg.path!r} could not be read as {ext[1:]}: {why}") from e
     return _rows_from_dataset(ds, cfg)
+
+
+def _jsonl_problem(path: str) -> Optional[str]:
+    """The first line of a .jsonl file that is not a JSON object, said with its line number; None if none."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                return f"line {n} is not valid JSON ({e.msg}, column {e.colno}): {line.strip()[:80]!r}"
+            if not isinstance(row, dict):
+                return f"line {n} is a JSON {type(row).__name__}, not an object with a prompt field"
+    return None
 
 
 def _hub(cfg: DataConfig) -> list[dict]:

@@ -33,6 +33,7 @@ RULES = {
     "greedy_mismatch": "speculative greedy tokens differ from the target's own (not a float tie): a decoder bug",
     "float_tie": "a greedy divergence where the target's top-2 logit gap was < 1e-4 (floating-point order)",
     "broken_draft": "a draft could not be loaded or evaluated",
+    "reference_skipped": "the hf_assisted reference could not be measured (e.g. a padded-vocabulary draft); the reason",
     "draft_too_slow": f"speedup < 1 with cost ratio c > {SLOW_COST_RATIO}",
     "low_acceptance": f"acceptance_rate α < {LOW_ALPHA}",
     "decoder_overhead": f"measured speedup < {OVERHEAD_FRACTION} × predicted_speedup",
@@ -163,6 +164,9 @@ def diagnose(rows: list[dict]) -> list[dict[str, Any]]:
 
     for row in rows:
         name = row.get("name")
+        if row.get("error") and row.get("kind") == "hf_assisted":  # a reference that could not be measured
+            flag("reference_skipped", "info", row, 0.0, f"{name} ({row.get('eval_set')}): {row['error']}")
+            continue
         if row.get("error"):
             flag("broken_draft", "error", row, 1.0, f"{name} ({row.get('draft')}) was not evaluated: {row['error']}")
             continue

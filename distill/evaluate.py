@@ -50,7 +50,7 @@ from distill import report as report_mod
 from distill.config import REFERENCES, ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
 from distill.doctor import diagnose, noise_flags
-from distill.generate import record_ids
+from distill.generate import check_records_owner, record_ids
 from distill.measure import (
     FLOAT_TIE_GAP,
     Timed,
@@ -75,7 +75,7 @@ from distill.models import (
 from distill.utils import atomic_write_json, cli, start_stage
 from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.kv import KVModel
+from specdec.kv import KVModel, logits_width
 from specdec.metrics import SpecMetrics, bootstrap_ci, predicted_speedup
 from specdec.hybrid import HybridDrafter
 from specdec.replay import draft_argmax, hybrid_proposals, lookup_proposals, model_proposals, near_ties, replay
@@ -329,6 +329,16 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
             return DecodeResult([toks], ["eos" if eos in toks else "length"])
         return dec
 
+    def skipped(why: str) -> dict:  # a reference row that could not be measured: the report says why
+        log.warning("hf_assisted on %s skipped: %s", es.name, why)
+        return {"name": "hf_assisted", "kind": "hf_assisted", "draft": path, "assistant": name, "eval_set": es.name,
+                "error": f"skipped: {why}", "greedy_identical": None}
+
+    rows = {logits_width(target), logits_width(draft)}
+    if len(rows) > 1:  # transformers takes a vocabulary size that differs from the target's for another tokenizer
+        return skipped(f"the draft's embedding has {logits_width(draft)} rows and the target's {logits_width(target)} "
+                       "(a padded vocabulary over the same tokenizer), which transformers' assisted generation "
+                       "refuses as different tokenizers; the speculative rows above decode this draft as usual")
     gc = copy.deepcopy(draft.generation_config)
     draft.generation_config.num_assistant_tokens = gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -336,6 +346,9 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
     try:
         plain, run = time_decoders([decoder(None), decoder(draft)], [p.ids for p in es.prompts], es.batches(1),
                                    e.warmup, e.repeats, e.seed)
+    except Exception as err:  # a reference from another library: its failure must not cost the report
+        return skipped(f"transformers' assisted generation failed ({type(err).__name__}: "
+                       f"{str(err).splitlines()[0] if str(err) else ''})")
     finally:
         draft.generation_config = gc
     sp = measured_speedup(plain, run)
@@ -351,7 +364,10 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
 
 # -- the stage ------------------------------------------------------------------------------------
 def _candidates(cfg: DictConfig, tok) -> list[dict]:
-    """Model drafts to evaluate, tokenizers checked up front (a mismatch stops the run before work)."""
+    """Model drafts to evaluate, tokenizers checked up front (a mismatch stops the run before work), and
+    the run's generated records (the draft vocabulary and the trained-on counts read them) checked to be
+    this target's."""
+    check_records_owner(cfg, tok)
     out = []
     for name, path in resolve_drafts(cfg):
         c = {"name": name, "kind": "model", "draft": path, "error": None}
@@ -378,7 +394,7 @@ def _load_candidate(cfg: DictConfig, c: dict, target, tok):
     m = cfg.model
     if c["name"] == "init" and c["draft"] is None:
         return load_draft(m, target, tok)
-    return load_model(c["draft"], m.dtype, m.device, None, m.trust_remote_code, m.cache_dir)
+    return load_model(c["draft"], m.dtype, m.device, None, m.trust_remote_code, m.cache_dir, "evaluate.drafts")
 
 
 def _dir_stamp(path: Optional[str]) -> Any:
@@ -547,6 +563,7 @@ def run(cfg: DictConfig) -> dict:
                  out / "report.json")
         if not done["greedy_identical"]:
             raise GreedyMismatch(f"the report in {out / 'report.json'} records a greedy mismatch: a decoder bug")
+        _refuse_unloadable(done["rows"], out)
         return {"report": str(out / "report.json"), "best": done["best"], "greedy_identical": True,
                 "rows": len(done["rows"]), "skipped": True}
     target, tok = _load_target(cfg)
@@ -611,8 +628,18 @@ def run(cfg: DictConfig) -> dict:
     if not report["greedy_identical"]:
         raise GreedyMismatch("speculative greedy output differs from the target's own greedy output, or replayed "
                              f"counts from decoded ones (see doctor in {out / 'report.json'}): a decoder bug")
+    _refuse_unloadable(rows, out)
     return {"report": str(out / "report.json"), "best": report["best"], "greedy_identical": True,
             "rows": len(rows)}
+
+
+def _refuse_unloadable(rows: list[dict], out: Path) -> None:
+    """Exit 2 (ConfigError) after the report when a requested draft could not be loaded: its row is only an
+    error, and a run that measured nothing of it must not pass as done."""
+    bad = [f"{r['name']} ({r.get('draft')}): {r['error']}" for r in rows if r.get("kind") == "model" and r.get("error")]
+    if bad:
+        raise ConfigError(f"{len(bad)} requested draft(s) could not be loaded: {'; '.join(bad)}. The report "
+                          f"{out / 'report.json'} holds the rest; replace or remove them in evaluate.drafts")
 
 
 def trained_on(cfg: DictConfig, sets: list[EvalSet]) -> dict[str, int]:

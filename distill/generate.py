@@ -57,10 +57,10 @@ from transformers import AutoConfig
 from distill.config import ConfigError, DataConfig
 from distill.data import PromptTooLong, encode_prompt, load_prompts, prompt_token_limit, render_prompt
 from distill.models import (
-    load_target, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path, shared_vocab_size,
+    check_tokenizers, load_target, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path, shared_vocab_size,
     tokenizer_fingerprint,
 )
-from distill.utils import atomic_write_json, cli, read_json, start_stage
+from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.decoder import left_pad
 from specdec.kv import KVModel
 from specdec.sampling import SamplingParams, logits_to_probs, sample
@@ -336,6 +336,41 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return diffs
 
 
+def _owner(ident: dict, with_tokenizer: bool) -> dict:
+    """The part of a records identity that says whose answers they are: the target (and revision), its
+    tokenizer, the sampling settings (the seed only when sampling: greedy answers do not depend on it)."""
+    sampling = dict(ident.get("sampling") or {})
+    if not sampling.get("temperature"):
+        sampling.pop("seed", None)
+    m = ident.get("model") or {}
+    owner = {"model": {"target": m.get("target"), "revision": m.get("revision")}, "sampling": sampling}
+    if with_tokenizer:
+        owner["tokenizer_fingerprint"] = ident.get("tokenizer_fingerprint")
+    return owner
+
+
+def check_records_owner(cfg: DictConfig, tok: Any = None) -> None:
+    """Refuse, before any work, records in runs/<run>/generate that another target, revision, tokenizer
+    (when `tok` is given) or sampling setting made than cfg's: one ConfigError naming both and the fix.
+    Shards that carry no settings (written by hand) pass."""
+    out = Path(cfg.runs_root) / cfg.run_name / "generate"
+    want = _owner(identity(cfg, tok) if tok is not None else {
+        "model": {"target": cfg.model.target, "revision": cfg.model.revision},
+        "sampling": {"temperature": float(cfg.generate.temperature), "top_p": float(cfg.generate.top_p),
+                     "top_k": int(cfg.generate.top_k), "max_new_tokens": int(cfg.generate.max_new_tokens),
+                     "num_samples": int(cfg.generate.num_samples), "seed": int(cfg.seed)}}, tok is not None)
+    for f in shard_paths(out) if out.is_dir() else []:
+        have = shard_identity(f)
+        if not have:
+            continue
+        diffs = _differences(want, _owner(have, tok is not None))
+        if diffs:
+            raise ConfigError(
+                f"{out} holds records made by {have.get('model', {}).get('target')!r} with other settings than "
+                f"model.target={cfg.model.target!r} and this run's ({'; '.join(diffs[:4])}); use another run_name "
+                "for this target, or regenerate them here with generate.overwrite=true")
+
+
 def write_shard(out: Path, name: str, items: list[Item], outputs: list[Output], g: Any, ident: dict, tok: Any) -> None:
     """One parquet file holding whole batches; written to a temp name, fsynced, renamed."""
     cols: dict[str, Any] = {
@@ -359,9 +394,10 @@ def write_shard(out: Path, name: str, items: list[Item], outputs: list[Output], 
             cols[col] = pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(flat, k))
     table = pa.table(cols).replace_schema_metadata({META_KEY: json.dumps(ident).encode()})
     tmp = out / f".{name}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    with writing(out / name, lambda: tmp.unlink(missing_ok=True)):  # a full disk: no half shard, one message
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     os.replace(tmp, out / name)
 
 
@@ -556,6 +592,9 @@ def run(cfg: DictConfig) -> dict:
                           f"{world}; on CPU use `accelerate launch --multi_gpu --num_processes N` (see the docstring)")
     tok = load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir,
                          trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.model.draft_init == "pretrained":  # a draft that cannot share the target's tokenizer stops the run now
+        check_tokenizers(tok, load_tokenizer(cfg.model.draft, cache_dir=cfg.model.cache_dir, what="model.draft"),
+                         cfg.model.target, cfg.model.draft)
     ident = identity(cfg, tok)
     manifest_path = out / "manifest.json"
 
@@ -601,6 +640,13 @@ def run(cfg: DictConfig) -> dict:
 
     per_rank = gather_object([{"expected": expected, "skipped": counts["skipped"], "truncated": counts["truncated"],
                                "new_tokens": new_tokens, "seconds": seconds}])
+    if not any(r["expected"] for r in per_rank):  # every prompt skipped as too long: nothing to train on
+        limit = prompt_token_limit(g.max_prompt_tokens, model_config, g.max_new_tokens)
+        raise ConfigError(
+            f"all {counts['prompts']} prompts are longer than the prompt limit of {limit} tokens "
+            f"(generate.max_prompt_tokens={g.max_prompt_tokens}, within the target's context less "
+            f"generate.max_new_tokens={g.max_new_tokens}), so there is nothing to answer; raise "
+            "generate.max_prompt_tokens, or set generate.overlong=truncate to keep each prompt's last tokens")
     summary: dict = {}
     if state.is_main_process:
         summary = _write_manifest(cfg, out, ident, counts["prompts"], per_rank, world)

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from distill.config import ConfigError, ModelConfig
+from specdec.hub import ModelSourceError, pretrained
 
 log = logging.getLogger(__name__)
 
@@ -149,20 +150,29 @@ def load_model(
     revision: Optional[str] = None,
     trust_remote_code: bool = False,
     cache_dir: Optional[str] = None,
+    what: str = "model.target",
 ) -> PreTrainedModel:
-    """Any causal LM by embedded name, local dir or hub id, in eval mode on the chosen device."""
+    """Any causal LM by embedded name, local dir or hub id, in eval mode on the chosen device. `what` names
+    the setting in messages (a missing path, an unreachable hub: ConfigError)."""
     path = resolve_model_path(name, cache_dir)
-    if os.path.sep in name and not os.path.isdir(path):
-        raise ConfigError(f"model path {name!r} does not exist; pass a model dir or a hub id")
     dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(dtype, dev), revision=revision, trust_remote_code=trust_remote_code
-    )
+    model = _pretrained(AutoModelForCausalLM.from_pretrained, path, what, dtype=resolve_dtype(dtype, dev),
+                        revision=revision, trust_remote_code=trust_remote_code)
     return model.to(dev).eval()
 
 
-def load_tokenizer(name: str, revision: Optional[str] = None, cache_dir: Optional[str] = None, **kw):
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name, cache_dir), revision=revision, **kw)
+def _pretrained(load, path: str, what: str, **kw):
+    """specdec.hub.pretrained (one message for a missing path, an offline or unreachable hub, an id that
+    does not load), as a ConfigError."""
+    try:
+        return pretrained(load, path, what, **kw)
+    except ModelSourceError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_tokenizer(name: str, revision: Optional[str] = None, cache_dir: Optional[str] = None,
+                   what: str = "model.target", **kw):
+    tok = _pretrained(AutoTokenizer.from_pretrained, resolve_model_path(name, cache_dir), what, revision=revision, **kw)
     if tok.pad_token is None:  # batching needs a pad id; it is always masked out
         tok.pad_token = tok.eos_token
     return tok
@@ -208,9 +218,10 @@ def draft_from_target(target: PreTrainedModel, layers: list[int]) -> PreTrainedM
 def load_draft(cfg: ModelConfig, target: Optional[PreTrainedModel] = None, target_tok=None) -> PreTrainedModel:
     """The initial (undistilled) draft, per cfg.draft_init; checks it shares the target's tokenizer."""
     if cfg.draft_init == "pretrained":
-        draft = load_model(cfg.draft, cfg.dtype, cfg.device, None, cfg.trust_remote_code, cfg.cache_dir)
+        draft = load_model(cfg.draft, cfg.dtype, cfg.device, None, cfg.trust_remote_code, cfg.cache_dir, "model.draft")
         if target_tok is not None:
-            check_tokenizers(target_tok, load_tokenizer(cfg.draft, cache_dir=cfg.cache_dir), cfg.target, cfg.draft)
+            check_tokenizers(target_tok, load_tokenizer(cfg.draft, cache_dir=cfg.cache_dir, what="model.draft"),
+                             cfg.target, cfg.draft)
         return draft
     if target is None:
         target, _ = load_target(cfg)

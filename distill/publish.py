@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.models import run_draft_vocab
-from distill.utils import atomic_write_json, cli, read_json, start_stage
+from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
 
 log = logging.getLogger(__name__)
@@ -428,8 +428,18 @@ def fingerprint(src: DraftSource, card_text: str, cfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _recover(rd: Path, out: Path) -> None:
+    """Undo what a kill during swap_in leaves: out moved aside as .publish.old-* and the new one not yet in
+    place. The previous folder goes back (publish.json still describes it)."""
+    old = sorted(rd.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if old and not out.exists():
+        os.rename(old[-1], out)
+        log.warning("publish: an interrupted publish had moved %s aside; restored it", out)
+
+
 def swap_in(tmp: Path, out: Path) -> None:
-    """Replace out with tmp (two renames; a leftover .publish.old-* from a crash is removed next time)."""
+    """Replace out with tmp (two renames; a kill between them leaves .publish.old-*, which the next run
+    puts back before it stages anything)."""
     os.chmod(tmp, 0o755)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
@@ -481,6 +491,9 @@ def run(cfg: DictConfig) -> dict:
     prev_cfg = rd / "config.yaml"  # read before start_stage overwrites it: the config distill/evaluate ran with
     prev = OmegaConf.to_container(OmegaConf.load(prev_cfg), resolve=False) if prev_cfg.is_file() else None
     out = start_stage(cfg, "publish")
+    from distill.generate import check_records_owner
+
+    check_records_owner(cfg)  # the card names cfg.model.target: the records and the draft must be its
     if not cfg.publish.dry_run:
         _check_upload_settings(cfg)
     src = resolve_draft(cfg)
@@ -488,9 +501,13 @@ def run(cfg: DictConfig) -> dict:
     report = read_json(report_path) if report_path.is_file() else None
     problems = check_report(report, src, report_path, cfg)
     summary = read_json(rd / "distill" / "summary.json") if (rd / "distill" / "summary.json").is_file() else None
+    if summary and summary.get("target", cfg.model.target) != cfg.model.target and src.name == "best":
+        raise ConfigError(f"{src.path} was distilled for model.target={summary['target']!r}, not {cfg.model.target!r}; "
+                          f"publish with model.target={summary['target']}, or distill this target first")
     card = render_card(cfg, src, report, prev, summary, problems)
     fp = fingerprint(src, str(card), cfg)
 
+    _recover(rd, out)
     record_path = rd / "publish.json"
     record = read_json(record_path) if record_path.is_file() else {}
     if record.get("fingerprint") == fp and (out / "README.md").is_file():
@@ -500,7 +517,8 @@ def run(cfg: DictConfig) -> dict:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".publish.tmp-", dir=rd))
         try:
-            stage(cfg, src, card, tmp)
+            with writing(out):  # a full disk: one message (tmp is removed below; the previous folder stays)
+                stage(cfg, src, card, tmp)
             swap_in(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -515,7 +533,15 @@ def run(cfg: DictConfig) -> dict:
     if cfg.publish.dry_run:
         log.info("publish.dry_run=true: staged only; upload with publish.dry_run=false publish.repo_id=<user>/<name>")
         return summary_out
-    uploaded = upload(cfg, out)
+    try:
+        uploaded = upload(cfg, out)
+    except Exception as e:  # no network, a refused token, a server error: one message, the staged folder stays
+        from specdec.hub import endpoint
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"upload of {out} to {cfg.publish.repo_id} at {endpoint()} failed ({type(e).__name__}: "
+                          f"{first}); check the network (or HF_ENDPOINT) and that the token may write there "
+                          "(HF_TOKEN or `hf auth login`), then rerun: the staged folder is kept") from None
     record["uploads"] = record.get("uploads", []) + [uploaded]
     atomic_write_json(record_path, record)
     return {**summary_out, "upload": uploaded}

@@ -42,7 +42,7 @@ from distill import checkpoint as ck
 from distill.batches import LogitScale, collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
 from distill.config import ConfigError, run_dir
 from distill.losses import HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, gather_teacher
-from distill.models import load_draft, load_target, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
+from distill.models import load_draft, load_target, load_tokenizer, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
 from distill.utils import cli, read_json, start_stage
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,51 @@ def _schedule(optimizer, t: Any, elapsed_s: Callable[[], float]) -> torch.optim.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _resume_point(out, student: torch.nn.Module, rank: int, acc: Any) -> tuple[int, Any, dict, Optional[dict]]:
+    """Load the latest checkpoint that loads whole and has finite weights into `student` -> (step, dir, its
+    trainer state, this rank's RNG state). Later ones that do not (truncated, corrupt, non-finite) are set
+    aside as broken-checkpoint-<step>, named with the one resumed from; ConfigError when none loads."""
+    broken, found = [], None
+    for step, path in reversed(ck.checkpoints(out)):
+        try:
+            ck.load_weights(student, path)
+            if not ck.all_finite(student):
+                raise ValueError("its weights are not finite")
+            saved, rng = ck.load_trainer_state(path, rank)
+        except Exception as e:  # whatever a damaged file raises (SafetensorError, EOFError, UnpicklingError, ...)
+            broken.append((path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+            continue
+        found = (step, path, saved, rng)
+        break
+    acc.wait_for_everyone()  # every process has tried them before any is renamed
+    if acc.is_main_process:
+        for path, _ in broken:
+            ck.set_aside(path, "broken")
+    acc.wait_for_everyone()
+    what = "; ".join(f"{p.name} ({why})" for p, why in broken)
+    if found is None:
+        raise ConfigError(f"no checkpoint in {out} can be resumed from: {what}; they are set aside as broken-*, so a "
+                          "rerun trains from scratch (or set train.resume=never now)")
+    for path, why in broken:
+        log.warning("distill: %s cannot be resumed from (%s); set aside as broken-%s. Resuming from the previous "
+                    "good checkpoint %s instead", path, why, path.name, found[1].name)
+    return found
+
+
+def _use_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """After loading a checkpoint: schedule train.lr (not the rate saved with it), so that a rerun with a
+    lower train.lr after a divergence trains with that rate from the resumed step on."""
+    if all(b == lr for b in scheduler.base_lrs):
+        return
+    log.info("distill: train.lr=%g (the checkpoint was trained with %g): the resumed steps use %g",
+             lr, scheduler.base_lrs[0], lr)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 def _done(summary: Optional[dict], cfg: DictConfig, out) -> bool:
     return bool(summary and summary.get("done") and summary.get("max_steps") == cfg.train.max_steps
                 and summary.get("time_budget_min") == cfg.train.time_budget_min and (out / "best" / "config.json").exists())
@@ -207,9 +252,17 @@ def run(cfg: DictConfig) -> dict:
         ck.recover(out)
     acc.wait_for_everyone()
     summary = ck.read_summary(out)
-    from distill.generate import data_key
+    from distill.generate import check_records_owner, data_key
 
+    # whose records these are, and whose draft: checked before anything else (an "already done" included)
+    check_records_owner(cfg, load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir,
+                                            trust_remote_code=cfg.model.trust_remote_code))
     records_key = data_key(run_dir(cfg))
+    other = summary.get("target", cfg.model.target) != cfg.model.target if summary else False
+    if other and (ck.checkpoints(out) or _done(summary, cfg, out)) and t.resume == "auto":
+        raise ConfigError(f"{out} holds a draft distilled for model.target={summary['target']!r}, not "
+                          f"{cfg.model.target!r}; set train.resume=never to train anew for this target (it replaces "
+                          "that draft), or use another run_name")
     if t.resume == "auto" and ck.checkpoints(out) and summary and summary.get("data") != records_key:
         raise ConfigError(f"{out} holds a draft trained on other records than {run_dir(cfg)}/generate holds now; "
                           "set train.resume=never to train anew on these (it replaces that draft), or use another run_name")
@@ -218,6 +271,8 @@ def run(cfg: DictConfig) -> dict:
                  summary["best_teacher_forced_acceptance"], summary["best_step"], out)
         return summary
     if acc.is_main_process and (t.resume == "never" or not ck.checkpoints(out)):
+        if t.resume == "auto" and list(out.glob("diverged-*")):
+            log.warning("distill: the last attempt diverged before any good checkpoint: training from scratch")
         ck.clear(out)  # a fresh start: no best/ or summary of an earlier attempt may survive
     acc.wait_for_everyone()
 
@@ -255,13 +310,11 @@ def run(cfg: DictConfig) -> dict:
 
     state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
     scheduler = _schedule(optimizer, t, lambda: state["elapsed_s"])
-    ckpts = ck.checkpoints(out)
-    if t.resume == "auto" and ckpts:
-        step0, path = ckpts[-1]
-        ck.load_weights(student, path)
-        saved, rng = ck.load_trainer_state(path, rank)
+    if t.resume == "auto" and ck.checkpoints(out):
+        step0, path, saved, rng = _resume_point(out, student, rank, acc)
         optimizer.load_state_dict(saved.pop("optimizer"))
         scheduler.load_state_dict(saved.pop("scheduler"))
+        _use_lr(optimizer, scheduler, t.lr)
         state.update(saved)
         if rng is not None:
             ck.set_rng_state(rng)
@@ -286,7 +339,31 @@ def run(cfg: DictConfig) -> dict:
     stopped = "max_steps"
     alpha_now = state["history"][-1].get("teacher_forced_acceptance") if state["history"] else None
 
+    def diverged(what: str) -> TrainingDiverged:
+        """Set aside what the weights of state["step"] made (they diverged); the error names the last good
+        checkpoint, the one a rerun resumes from."""
+        bad_step = state["step"]
+        bad = [p.name for s, p in ck.checkpoints(out) if s >= bad_step]
+        if acc.is_main_process:
+            ck.set_aside_diverged(out, bad_step)
+        acc.wait_for_everyone()
+        good = ck.checkpoints(out)
+        aside = f" {', '.join(bad)} came from the weights that diverged: set aside as diverged-*." if bad else ""
+        fix = f"lower train.lr (now {t.lr}) or raise train.warmup_steps (now {t.warmup_steps}), then rerun"
+        if good:
+            return TrainingDiverged(f"{what}; stopped.{aside} The last good checkpoint is {good[-1][1]}; {fix}: "
+                                    f"resume=auto continues from {good[-1][1].name} with the new train.lr")
+        return TrainingDiverged(f"{what}; stopped.{aside} No good checkpoint was saved before it; {fix}: the "
+                                "rerun starts from scratch")
+
+    def finite() -> bool:
+        """Every process's weights are finite (checked before anything is written)."""
+        bad = torch.tensor(0.0 if ck.all_finite(student) else 1.0, device=acc.device)
+        return float(acc.reduce(bad, "max")) == 0
+
     def save(step: int) -> None:
+        if not finite():  # never write a non-finite checkpoint
+            raise diverged(f"the weights are not finite after step {step}")
         st = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
               "world_size": world, "global_batch": G}
         ck.save_checkpoint(out, step, student, tok, st, rank, acc.is_main_process, acc.wait_for_everyone,
@@ -295,7 +372,7 @@ def run(cfg: DictConfig) -> dict:
     def summarize(done: bool) -> dict:
         rates = [h["tokens_per_s"] for h in state["history"] if h.get("tokens_per_s")]
         return {
-            "stage": "distill", "dir": str(out), "done": done, "stopped": stopped if done else None,
+            "stage": "distill", "dir": str(out), "target": cfg.model.target, "done": done, "stopped": stopped if done else None,
             "step": state["step"], "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
             "init_teacher_forced_acceptance": state.get("init_teacher_forced_acceptance"),
             "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
@@ -341,11 +418,7 @@ def run(cfg: DictConfig) -> dict:
             loss_sum += total.detach().double()
         loss = float(acc.reduce(loss_sum, "sum")) / max(count, 1.0)
         if not math.isfinite(loss):
-            last = ck.checkpoints(out)
-            raise TrainingDiverged(
-                f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'}); stopped. The last good "
-                f"checkpoint is {last[-1][1] if last else 'none (nothing saved yet)'}; lower train.lr "
-                f"(now {t.lr}) or raise train.warmup_steps, then rerun (resume=auto continues from it)")
+            raise diverged(f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'})")
         if t.max_grad_norm and t.max_grad_norm > 0:
             acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
@@ -364,6 +437,8 @@ def run(cfg: DictConfig) -> dict:
         if state["step"] % t.eval_every == 0 or last_step:
             alpha_now = entry["teacher_forced_acceptance"] = alpha()
             if alpha_now > best.get("teacher_forced_acceptance", -1.0):
+                if not finite():
+                    raise diverged(f"the weights are not finite after step {state['step']}")
                 best = {"step": state["step"], "teacher_forced_acceptance": alpha_now}
                 if acc.is_main_process:
                     ck.save_best(out, student, tok, best, cfg.student.merge)

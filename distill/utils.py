@@ -1,6 +1,8 @@
 """Small helpers shared by the stages: atomic writes, the run directory, seeding, the CLI wrapper."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -8,7 +10,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -18,21 +20,37 @@ from distill.config import ConfigError, run_dir, validate
 log = logging.getLogger("distill")
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, cleanup: Optional[Callable[[], None]] = None) -> Iterator[None]:
+    """Around a write of `path` (a temp file or dir): on any error run `cleanup` (remove the partial
+    write), and turn a full disk (or quota) into one ConfigError naming the fix."""
+    try:
+        yield
+    except BaseException as e:
+        if cleanup is not None:
+            cleanup()
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            raise ConfigError(f"no space left on the device while writing {path} ({e.strerror}); free some space "
+                              "(or set runs_root to another disk) and rerun: the partial write was removed, what "
+                              "was written before is intact, and the run resumes from it") from None
+        raise
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temp file in the same dir, fsync, rename: readers never see a torn file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
+    with writing(path, lambda: Path(tmp).unlink(missing_ok=True)):
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

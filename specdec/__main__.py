@@ -24,6 +24,7 @@ import torch
 
 from .decoder import SpeculativeDecoder, autoregressive_generate
 from .drafters import DRAFT_VOCAB_FILE, ModelDrafter, PromptLookupDrafter, load_draft_vocab
+from .hub import ModelSourceError, endpoint, offline, pretrained, unreachable
 from .kv import logits_width
 
 
@@ -52,12 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load(name: str, device: str, dtype: torch.dtype):
+def _load(name: str, device: str, dtype: torch.dtype, what: str):
     import transformers
     from transformers import AutoModelForCausalLM
 
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    return AutoModelForCausalLM.from_pretrained(name, **{key: dtype}).to(device).eval()
+    return pretrained(AutoModelForCausalLM.from_pretrained, name, what, **{key: dtype}).to(device).eval()
+
+
+def _tokenizer(name: str, what: str):
+    from transformers import AutoTokenizer
+
+    return pretrained(AutoTokenizer.from_pretrained, name, what)
 
 
 def _draft_vocab(draft: str, choice: str):
@@ -74,7 +81,8 @@ def _draft_vocab(draft: str, choice: str):
     try:  # a hub draft: its draft_vocab.json, if it ships one
         from huggingface_hub import hf_hub_download
 
-        return load_draft_vocab(hf_hub_download(draft, DRAFT_VOCAB_FILE))
+        cache_only = offline() or unreachable(endpoint()) is not None  # no minute of retries when offline
+        return load_draft_vocab(hf_hub_download(draft, DRAFT_VOCAB_FILE, local_files_only=cache_only))
     except Exception:  # no such file (or offline): the whole vocabulary
         return None
 
@@ -85,21 +93,28 @@ def _same_tokenizer(a, b) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from transformers import AutoTokenizer
-
     default_dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
-    tok = AutoTokenizer.from_pretrained(args.target)
-    target = _load(args.target, args.device, dtype)
+    try:
+        tok = _tokenizer(args.target, "--target")
+        target = _load(args.target, args.device, dtype, "--target")
+        dtok = None if args.prompt_lookup else _tokenizer(args.draft, "--draft")
+    except ModelSourceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     vocab_size, draft_ids = None, None
     if args.prompt_lookup:
         drafter = PromptLookupDrafter(max_ngram=args.max_ngram)
     else:
-        if not _same_tokenizer(tok, AutoTokenizer.from_pretrained(args.draft)):
+        if not _same_tokenizer(tok, dtok):
             print(f"error: {args.draft} does not use the tokenizer of {args.target}; speculative decoding needs "
                   "the same tokenizer (pick a draft from the same model family)", file=sys.stderr)
             return 2
-        draft = _load(args.draft, args.device, dtype)
+        try:
+            draft = _load(args.draft, args.device, dtype, "--draft")
+        except ModelSourceError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         try:
             draft_ids = _draft_vocab(args.draft, args.draft_vocab)
             drafter = ModelDrafter(draft, vocab=draft_ids)
@@ -114,6 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tok(args.prompt)["input_ids"]
+    models = [("target", target)] + ([] if args.prompt_lookup else [("draft", draft)])
+    contexts = {n: getattr(m.config, "max_position_embeddings", None) for n, m in models}
+    context = min((c for c in contexts.values() if c), default=None)
+    if context and len(ids) + args.max_new_tokens > context:
+        who = " and ".join(f"the {n}'s {c}" for n, c in contexts.items() if c)
+        fix = (f"lower --max-new-tokens to {context - len(ids)} or shorten the prompt" if len(ids) < context
+               else "shorten the prompt")
+        print(f"error: the prompt has {len(ids)} tokens and --max-new-tokens is {args.max_new_tokens}: "
+              f"{len(ids) + args.max_new_tokens} positions, more than the context of {context} "
+              f"(max_position_embeddings: {who}); {fix}", file=sys.stderr)
+        return 2
     eos = [t for t in {tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)} if t is not None]
     eos = sorted({x for t in eos for x in (t if isinstance(t, list) else [t])})
     try:

@@ -236,7 +236,7 @@ def test_resolve_drafts_gives_same_named_dirs_distinct_names(run_root, tmp_path)
     ("evaluate.drafts=['{root}/nothing-*']", "matches no directory"),
     ("evaluate.drafts=[{root}/no/such/dir]", "does not exist"),
     ("model.target={root}/missing-target", "does not exist"),
-    ("model.target=no-such-model-anywhere", "could not be loaded"),
+    ("model.target=no-such-model-anywhere", "is not a local dir"),
     ("run_name=fresh", "'best' but"),
 ])
 def test_bad_input_is_one_message_and_exit_2(run_root, capsys, override, needle):
@@ -266,12 +266,13 @@ def test_broken_checkpoint_among_many_is_reported(run_root):
     broken = run_root / "runs" / "r" / "distill" / "checkpoint-5"
     save_draft(broken, 0.1)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    summary = evaluate.run(make_cfg(run_root, "evaluate.drafts=[checkpoints]"))
+    with pytest.raises(ConfigError, match=r"1 requested draft\(s\) could not be loaded: checkpoint-5"):
+        evaluate.run(make_cfg(run_root, "evaluate.drafts=[checkpoints]"))  # exit 2, after the report
     report = read_report(run_root)
     (err,) = rows_of(report, "checkpoint-5")
     assert err["error"] and err["draft"] == str(broken)
     assert rows_of(report, "checkpoint-2") and rows_of(report, "checkpoint-10")
-    assert summary["greedy_identical"] and any(d["rule"] == "broken_draft" for d in report["doctor"])
+    assert report["greedy_identical"] and any(d["rule"] == "broken_draft" for d in report["doctor"])
     assert "Not evaluated" in (run_root / "runs" / "r" / "evaluate" / "report.md").read_text()
 
 

@@ -19,6 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
+from distill import checkpoint as ck
 from distill import generate, train
 from distill.config import ConfigError
 from distill.train import TrainingDiverged
@@ -295,11 +296,13 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatc
         return (total * float("nan") if calls["n"] > 2 else total), n
 
     monkeypatch.setattr(train, "chunked_distill_loss", flaky)
-    cfg = setup_run(gen, tmp_path, "nan", "train.max_steps=6", "train.save_every=2")
-    with pytest.raises(TrainingDiverged, match=r"step 3 .*micro-batch 0 records .*checkpoint-2"):
+    cfg = setup_run(gen, tmp_path, "nan", "train.max_steps=6", "train.save_every=1")
+    # step 3's loss comes from checkpoint-2's weights: that one is set aside, checkpoint-1 is the last good one
+    with pytest.raises(TrainingDiverged, match=r"step 3 .*micro-batch 0 records .*checkpoint-2 came from .*checkpoint-1"):
         train.run(cfg)
     out = tmp_path / "nan" / "distill"
-    assert (out / "checkpoint-2" / "trainer_state" / "state.pt").exists() and not (out / "checkpoint-3").exists()
+    assert (out / "checkpoint-1" / "trainer_state" / "state.pt").exists() and not (out / "checkpoint-3").exists()
+    assert (out / "diverged-checkpoint-2").is_dir() and [s for s, _ in ck.checkpoints(out)] == [1]
 
 
 def test_a_draft_of_other_records_is_not_resumed(gen, tmp_path):
