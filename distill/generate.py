@@ -222,7 +222,7 @@ class HFBackend:
                         logits = torch.cat([logits, new_logits])
                     else:
                         kv, logits = new_kv, new_logits
-                except NotImplementedError:  # e.g. sliding-window caches: static batches instead
+                except NotImplementedError:  # caches KVModel cannot merge: static batches instead
                     self.continuous = False
                     queue += reversed(new)
                     continue
