@@ -175,29 +175,42 @@ def load_target(cfg: ModelConfig):
     return model, tok
 
 
+def _block_list(model: PreTrainedModel, n: int) -> str:
+    """Qualified name of the model's list of n transformer blocks ("model.layers", "gpt_neox.layers",
+    "transformer.h", ...): the first ModuleList of that length."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and name:
+            return name
+    raise ConfigError(f"{type(model).__name__}: found no list of its {n} layers to pick draft layers from; "
+                      "use model.draft_init=config or pretrained")
+
+
 def draft_from_target(target: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
     """A new model made of `layers` of the target, with copies of its embeddings, final norm and head.
 
     Weights are copied (the draft trains without touching the target). Works for decoder-only models
-    that keep their blocks in `model.model.layers` (Llama, Qwen2, Mistral, Gemma, ...).
+    whose blocks sit in one ModuleList (model.layers in Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3;
+    gpt_neox.layers; transformer.h). Per-layer config lists (layer_types: sliding/full attention, and
+    any other list with one entry per layer) keep the chosen layers' entries.
     """
     n = target.config.num_hidden_layers
     bad = [i for i in layers if not -n <= i < n]
     if bad:
         raise ConfigError(f"model.draft_layers {bad} out of range: the target has {n} layers (0..{n - 1})")
     layers = [i % n for i in layers]
+    blocks = _block_list(target, n) + "."
     cfg = copy.deepcopy(target.config)
+    per_layer = [k for k, v in cfg.to_dict().items() if isinstance(v, list) and len(v) == n and n > 1]
     cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None):  # per-layer attention kinds (sliding/full) follow the layers
-        cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    for k in per_layer:  # e.g. layer_types: each kept layer keeps its attention kind
+        setattr(cfg, k, [getattr(cfg, k)[i] for i in layers])
     draft = type(target)(cfg).to(dtype=target.dtype, device=target.device)
     src = target.state_dict()
     state = {}
     for k in draft.state_dict():
-        if ".layers." in k:
-            pre, rest = k.split(".layers.", 1)
-            j, tail = rest.split(".", 1)
-            state[k] = src[f"{pre}.layers.{layers[int(j)]}.{tail}"]
+        if k.startswith(blocks):
+            j, tail = k[len(blocks):].split(".", 1)
+            state[k] = src[f"{blocks}{layers[int(j)]}.{tail}"]
         else:
             state[k] = src[k]
     draft.load_state_dict({k: v.clone() for k, v in state.items()})
