@@ -427,7 +427,7 @@ def run(cfg: DictConfig) -> dict:
     cands = _candidates(cfg, tok)
     sets = load_eval_sets(cfg, tok, target)
     eos, pad, vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
-    draft_vocab = run_draft_vocab(cfg, vocab)  # None: the drafts' whole vocabulary
+    draft_vocab = run_draft_vocab(cfg, vocab, tok)  # None: the drafts' whole vocabulary
     temps, grid = list(e.temperatures), [(bs, t) for bs in e.batch_sizes for t in e.temperatures]
     rows: list[dict] = []
     models: dict[str, Any] = {}  # candidate name -> loaded draft (None: prompt lookup)

@@ -293,9 +293,11 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits[..., :vocab_size]
 
 
-def run_draft_vocab(cfg: Any, vocab_size: int) -> Optional[torch.Tensor]:
+def run_draft_vocab(cfg: Any, vocab_size: int, tokenizer: Any = None) -> Optional[torch.Tensor]:
     """The run's draft vocabulary: the model.draft_vocab token ids its generated answers use most
-    (sorted [N] long), or None when model.draft_vocab is 0. Deterministic in the records."""
+    (sorted [N] long), or None when model.draft_vocab is 0. Deterministic in the records and the
+    tokenizer (the target's), whose single-character tokens fill the slots the answers leave free
+    (specdec.drafters.frequent_tokens); every stage must pass the same one."""
     n = int(cfg.model.draft_vocab or 0)
     if n == 0:
         return None
@@ -308,4 +310,4 @@ def run_draft_vocab(cfg: Any, vocab_size: int) -> Optional[torch.Tensor]:
     except ConfigError as err:
         raise ConfigError(f"model.draft_vocab={n} ranks tokens by this run's generated answers: {err} "
                           "(or set model.draft_vocab=0 for the whole vocabulary)") from None
-    return frequent_tokens(answers, min(n, vocab_size), vocab_size)
+    return frequent_tokens(answers, min(n, vocab_size), vocab_size, tokenizer)

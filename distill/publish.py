@@ -380,7 +380,7 @@ def stage(cfg: DictConfig, src: DraftSource, card, tmp: Path) -> None:
         gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
         gen.pad_token_id = target_tok.pad_token_id
         gen.save_pretrained(tmp)
-    ids = run_draft_vocab(cfg, len(target_tok))
+    ids = run_draft_vocab(cfg, len(target_tok), target_tok)
     if ids is not None:  # the vocabulary the evaluation decoded with, for specdec users of the draft
         save_draft_vocab(tmp, ids, source=f"the {len(ids)} tokens the target's generated answers use most")
     card.save(tmp / "README.md")

@@ -314,7 +314,8 @@ def test_draft_vocabulary_travels_with_the_draft(tmp_path, run):
     write_generated(run, [[7, 7, 9, 40], [9, 41]])
     out = publish.run(_cfg(tmp_path, "model.draft_vocab=6", "publish.repo_id=me/tiny-draft"))
     folder = Path(out["folder"])
-    assert load_draft_vocab(folder).tolist() == [0, 1, 7, 9, 40, 41]  # by count, then the lowest ids
+    # by count, then the lowest single-character tokens: ids 0-2 are the tiny tokenizer's specials
+    assert load_draft_vocab(folder).tolist() == [3, 4, 7, 9, 40, 41]
     card = (folder / "README.md").read_text()
     assert "draft_vocab.json" in card and "python -m specdec --target" in card
     publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-draft"))  # model.draft_vocab=0: no file
