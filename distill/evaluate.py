@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from distill import report as report_mod
 from distill.config import ConfigError, run_dir
 from distill.data import encode_prompt, load_prompts, prompt_token_limit
+from distill.templates import CHAT, effective_template
 from distill.doctor import diagnose
 from distill.generate import record_ids
 from distill.models import (
@@ -88,6 +89,7 @@ class EvalSet:
     name: str
     prompts: list[Prompt]
     skipped: int  # prompts longer than the prompt limit
+    template: str = "chat"  # how its prompts were rendered (distill.templates.effective_template)
 
     def batches(self, size: int) -> list[list[int]]:
         """Prompt indices in batches of `size`, never mixing categories (first-appearance order)."""
@@ -183,9 +185,10 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
     sets = []
     for name, dcfg in cfg.eval_data.items():
         ds = load_prompts(dcfg)
+        template = dcfg.get("template") or cfg.data.get("template")  # null: the template the draft trained with
         prompts, skipped = [], 0
         for row in ds:
-            ids = encode_prompt(tok, row["messages"])
+            ids = encode_prompt(tok, row["messages"], template=template)
             if len(ids) > limit:
                 skipped += 1
                 continue
@@ -206,7 +209,7 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
             prompts = picked
         if skipped:
             log.warning("eval_data.%s: skipped %d prompts longer than %d tokens", name, skipped, limit)
-        sets.append(EvalSet(name, prompts, skipped))
+        sets.append(EvalSet(name, prompts, skipped, effective_template(tok, template)))
     return sets
 
 
@@ -397,10 +400,17 @@ def _dir_stamp(path: Optional[str]) -> Any:
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """Everything a report depends on; an equal fingerprint means the report on disk is current."""
-    return {"model": OmegaConf.to_container(cfg.model, resolve=True),
-            "evaluate": OmegaConf.to_container(cfg.evaluate, resolve=True),
-            "eval_data": OmegaConf.to_container(cfg.eval_data, resolve=True),
-            "drafts": [(name, path, _dir_stamp(path)) for name, path in resolve_drafts(cfg)]}
+    eval_data = OmegaConf.to_container(cfg.eval_data, resolve=True)
+    for d in eval_data.values():
+        if d.get("template") is None:
+            d.pop("template", None)  # the default: reports made before the field existed stay current
+    fp = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+          "evaluate": OmegaConf.to_container(cfg.evaluate, resolve=True),
+          "eval_data": eval_data,
+          "drafts": [(name, path, _dir_stamp(path)) for name, path in resolve_drafts(cfg)]}
+    if cfg.data.get("template") not in (None, CHAT):  # the eval sets' prompts follow it
+        fp["template"] = cfg.data.template
+    return fp
 
 
 def _current_report(out: Path, fp: dict[str, Any]) -> Optional[dict]:
@@ -546,7 +556,7 @@ def build_report(cfg: DictConfig, rows: list[dict], sets: list[EvalSet], target)
                 "device": str(param.device),
                 "dtype": str(param.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
-                "eval_sets": {s.name: {"prompts": len(s.prompts), "skipped_overlong": s.skipped,
+                "eval_sets": {s.name: {"prompts": len(s.prompts), "skipped_overlong": s.skipped, "template": s.template,
                                        "categories": dict(Counter(p.category for p in s.prompts)),
                                        "source": OmegaConf.to_container(cfg.eval_data[s.name], resolve=True)}
                               for s in sets}}

@@ -85,3 +85,48 @@ def test_a_gemma2_target_runs_the_whole_pipeline(tmp_path):
     assert type(published).__name__ == "Gemma2ForCausalLM"
     assert published.config.layer_types == ["sliding_attention", "full_attention"]
     assert "apply_chat_template" in (rd / "publish" / "README.md").read_text()
+
+
+def test_a_base_model_runs_the_pipeline_with_a_plain_template_and_stop_strings(tmp_path):
+    """A Qwen2 base model (windowed layers, no chat template): prompts through data.template, answers
+    that end at a stop string the target writes, evaluation on the same template, a card that matches."""
+    from omegaconf import OmegaConf
+
+    from distill.data import encode_prompt, load_prompts
+    from distill.generate import load_generated
+
+    fmt = "Question: {prompt}\nAnswer:"
+    target = tiny_zoo_model("qwen2", seed=0, num_layers=4)
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    target_dir = tmp_path / "qwen2-base"
+    target.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="pipeline", overrides=[
+            "experiment=smoke", f"runs_root={tmp_path / 'runs'}", f"model.target={target_dir}",
+            "model.draft_layers=[0,3]", "model.dtype=float32", "model.device=cpu", "data.limit=6",
+            f"generate.max_new_tokens={2 * WINDOW}", "train.max_steps=2", "evaluate.references=[target]",
+            f"evaluate.max_new_tokens={2 * WINDOW}"])
+    OmegaConf.update(cfg, "data.template", fmt)
+    # the most common character of the target's own answers is a stop string it writes
+    answers = []
+    for row in load_prompts(cfg.data):
+        ids = torch.tensor([encode_prompt(tok, row["messages"], template=fmt)])
+        out = target.generate(ids, max_new_tokens=2 * WINDOW, do_sample=False, eos_token_id=2, pad_token_id=0)
+        answers.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    stop = max(set("".join(answers)), key="".join(answers).count)
+    OmegaConf.update(cfg, "generate.stop_strings", [stop])
+    pipeline.run(cfg)
+
+    rd = tmp_path / "runs" / "smoke"
+    records = load_generated(rd).to_list()
+    assert all(r["prompt"].startswith("Question: ") and r["prompt"].endswith("\nAnswer:") for r in records)
+    stopped = [r for r in records if r["finish_reason"] == "stop"]
+    assert len(stopped) >= 2 and all(stop in r["response"] for r in stopped)
+    report = json.loads((rd / "evaluate" / "report.json").read_text())
+    assert report["greedy_identical"] is True
+    assert {s["template"] for s in report["settings"]["eval_sets"].values()} == {fmt}
+    card = (rd / "publish" / "README.md").read_text()
+    assert "apply_chat_template" not in card and f"tok({fmt!r}.format(prompt=" in card
+    assert f"stop_strings={[stop]!r}, tokenizer=tok" in card
