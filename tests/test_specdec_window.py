@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_specdec_decoder import _exact_first_two, _g_test
+from test_specdec_decoder import _exact_first_two, _g_test, _prompts
 
 from distill.tiny import WINDOW, tiny_draft, tiny_zoo_model
 from specdec import SamplingParams, SpeculativeDecoder
@@ -26,11 +26,6 @@ FAMILIES = {"mistral": 0.03, "gemma2": 0.15, "qwen2": 0.05}
 def pair(request):
     target = tiny_zoo_model(request.param, seed=0)
     return request.param, target, tiny_draft(target, noise=FAMILIES[request.param])
-
-
-def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_windows_are_read_from_the_models_cache_layers():

@@ -21,13 +21,19 @@ from distill import pipeline
 from distill.models import draft_from_target, load_model
 from distill.tiny import WINDOW, ZOO, tiny_tokenizer, tiny_zoo_model
 from specdec import SpeculativeDecoder
+from test_specdec_decoder import _prompts
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 259, (n,), generator=g).tolist() for n in lengths]
+def _pipeline_cfg(tmp_path, target_dir):
+    """The smoke pipeline on a local tiny target: generate, 2 training steps, evaluate 4 windows long, publish."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="pipeline", overrides=[
+            "experiment=smoke", f"runs_root={tmp_path / 'runs'}", f"model.target={target_dir}",
+            "model.draft_layers=[0,3]", "model.dtype=float32", "model.device=cpu", "data.limit=6",
+            f"generate.max_new_tokens={2 * WINDOW}", "train.max_steps=2", "evaluate.references=[target]",
+            f"evaluate.max_new_tokens={4 * WINDOW}"])
 
 
 @pytest.mark.parametrize("family", sorted(ZOO))
@@ -67,13 +73,7 @@ def test_a_gemma2_target_runs_the_whole_pipeline(tmp_path):
     target_dir = tmp_path / "gemma2"
     tiny_zoo_model("gemma2", seed=0, num_layers=4).save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="pipeline", overrides=[
-            "experiment=smoke", f"runs_root={tmp_path / 'runs'}", f"model.target={target_dir}",
-            "model.draft_layers=[0,3]", "model.dtype=float32", "model.device=cpu", "data.limit=6",
-            f"generate.max_new_tokens={2 * WINDOW}", "train.max_steps=2", "evaluate.references=[target]",
-            f"evaluate.max_new_tokens={4 * WINDOW}"])
-    pipeline.run(cfg)
+    pipeline.run(_pipeline_cfg(tmp_path, target_dir))
     rd = tmp_path / "runs" / "smoke"
     summary = json.loads((rd / "distill" / "summary.json").read_text())
     assert summary["history"], "the distill stage trained"
@@ -102,12 +102,7 @@ def test_a_base_model_runs_the_pipeline_with_a_plain_template_and_stop_strings(t
     target_dir = tmp_path / "qwen2-base"
     target.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="pipeline", overrides=[
-            "experiment=smoke", f"runs_root={tmp_path / 'runs'}", f"model.target={target_dir}",
-            "model.draft_layers=[0,3]", "model.dtype=float32", "model.device=cpu", "data.limit=6",
-            f"generate.max_new_tokens={2 * WINDOW}", "train.max_steps=2", "evaluate.references=[target]",
-            f"evaluate.max_new_tokens={2 * WINDOW}"])
+    cfg = _pipeline_cfg(tmp_path, target_dir)
     OmegaConf.update(cfg, "data.template", fmt)
     # the most common character of the target's own answers is a stop string it writes
     answers = []
