@@ -54,6 +54,11 @@ class DataConfig:
     messages_column: Optional[str] = None  # a column of chat turns [{role, content}, ...]
     id_column: Optional[str] = None  # default: "<source>-<row index>"
     system_prompt: Optional[str] = None
+    # How prompts become the target's input (distill/templates.py): "chat" = the tokenizer's chat template
+    # (null means chat; without a chat template: a plain "user: ...\nassistant:" transcript and a warning),
+    # or a format string for base models, e.g. "Question: {prompt}\nAnswer:" ({system}: the system prompt).
+    # In an eval_data set, null = data.template (evaluate with the prompts the draft was trained on).
+    template: Optional[str] = None
     limit: Optional[int] = None  # keep the first N after shuffling
     skip: int = 0  # drop the first N after shuffling: the complement of a limit=N set (keeps held-out prompts out)
     shuffle: bool = False
@@ -82,6 +87,9 @@ class GenerateConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 128
+    # An answer also ends (finish_reason "stop") once its text ends with one of these, e.g. ["\nQuestion:"]
+    # for a base model prompted with data.template="Question: {prompt}\nAnswer:"; the tokens stay in it.
+    stop_strings: list[str] = field(default_factory=list)
     num_samples: int = 1  # answers per prompt (must be 1 when greedy)
     batch_size: int = 16
     max_prompt_tokens: int = 1024
@@ -311,6 +319,15 @@ def validate(cfg: DictConfig | Config) -> None:
         whole = [n for n, ed in cfg.get("eval_data", {}).items() if ed.get("limit") is None]
         need(not whole, f"data.in_domain trains on the eval_data prompts that evaluation leaves out, but {whole} "
              "evaluate every prompt; hold some out with eval_data.<name>.shuffle=true eval_data.<name>.limit=N")
+    from distill.templates import template_problem
+
+    for name, dc in [("data", d), *((f"eval_data.{k}", v) for k, v in (cfg.get("eval_data") or {}).items())]:
+        problem = template_problem(dc.get("template")) if dc is not None else None
+        need(problem is None, f"{name}.template: {problem}; use {name}.template=chat or a format string such as "
+             "'Question: {prompt}\\nAnswer:'")
+    stops = list(g.get("stop_strings") or [])
+    need(all(isinstance(x, str) and x for x in stops),
+         f"generate.stop_strings={stops} must be non-empty strings, e.g. '[\"\\nQuestion:\"]'")
     if d is not None:  # before any slow work (self-instruct sampling comes before the prompts are loaded)
         need(d.get("limit") is None or d.limit >= 1, f"data.limit={d.get('limit')} must be >= 1 (or null for every prompt)")
         need(d.get("skip", 0) >= 0, f"data.skip={d.get('skip')} must be >= 0")

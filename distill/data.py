@@ -1,4 +1,5 @@
-"""Prompt sources -> a `datasets.Dataset` of chat turns, and chat templating.
+"""Prompt sources -> a `datasets.Dataset` of chat turns, and their rendering for the target (data.template:
+the chat template or a plain format, see distill/templates.py).
 
     python -m distill.data source=mt_bench limit=3          # print a preview of any source
     python -m distill.data source=file path=prompts.jsonl prompt_column=question
@@ -27,6 +28,7 @@ from typing import Any, Optional
 import datasets
 
 from distill.config import ConfigError, DataConfig
+from distill.templates import CHAT, format_prompt, uses_chat_template, warn_no_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -91,30 +93,37 @@ def load_prompts(cfg: DataConfig) -> datasets.Dataset:
 
 
 def encode_prompt(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], max_prompt_tokens: Optional[int] = None
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], max_prompt_tokens: Optional[int] = None,
+    template: Optional[str] = CHAT,
 ) -> list[int]:
-    """Token ids of `messages` rendered for generation (chat template + assistant header).
+    """Token ids of `messages` rendered for generation, per data.template: "chat" (or None) applies the
+    tokenizer's chat template with the assistant header; a format string ("Question: {prompt}\nAnswer:")
+    is filled with the user's text and tokenized as plain text (with the tokenizer's usual BOS).
 
-    Tokenizers without a chat template get a plain "role: content" transcript ending in
-    "assistant:". With `max_prompt_tokens`, a longer prompt raises PromptTooLong (which carries the
-    ids, so a caller may skip it or keep the last tokens instead).
+    Under "chat", a tokenizer without a chat template gets a plain "role: content" transcript ending in
+    "assistant:" (FALLBACK_TEMPLATE for one turn), with one warning per tokenizer. With
+    `max_prompt_tokens`, a longer prompt raises PromptTooLong (which carries the ids, so a caller may
+    skip it or keep the last tokens instead).
     """
     msgs = _turns(messages)
-    if getattr(tokenizer, "chat_template", None):
+    if uses_chat_template(tokenizer, template):
         ids = _as_id_list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
     else:
-        ids = _as_id_list(tokenizer.encode(_plain_transcript(msgs)))
+        ids = _as_id_list(tokenizer.encode(render_prompt(tokenizer, msgs, template)))
     if max_prompt_tokens is not None:
         check_prompt_length(ids, max_prompt_tokens)
     return ids
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
+def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], template: Optional[str] = CHAT) -> str:
     """The prompt text `encode_prompt` tokenizes (for the `prompt` column of generated records)."""
     msgs = _turns(messages)
-    if getattr(tokenizer, "chat_template", None):
+    if uses_chat_template(tokenizer, template):
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    return _plain_transcript(msgs)
+    if template in (None, CHAT):
+        warn_no_chat_template(tokenizer)
+        return _plain_transcript(msgs)
+    return format_prompt(template, msgs)
 
 
 class PromptTooLong(ConfigError):

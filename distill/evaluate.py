@@ -63,6 +63,7 @@ from distill.measure import (
     teacher_forced,
     time_decoders,
 )
+from distill.templates import CHAT, effective_template
 from distill.models import (
     check_tokenizers,
     load_draft,
@@ -115,6 +116,7 @@ class EvalSet:
     name: str
     prompts: list[Prompt]
     skipped: int  # prompts longer than the prompt limit
+    template: str = "chat"  # how its prompts were rendered (distill.templates.effective_template)
 
     def batches(self, size: int) -> list[list[int]]:
         """Prompt indices in batches of `size`, never mixing categories (first-appearance order)."""
@@ -126,7 +128,7 @@ class EvalSet:
         return out
 
     def subset(self, idx: list[int]) -> "EvalSet":
-        return EvalSet(self.name, [self.prompts[i] for i in idx], 0)
+        return EvalSet(self.name, [self.prompts[i] for i in idx], 0, self.template)
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -201,9 +203,10 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
     sets = []
     for name, dcfg in cfg.eval_data.items():
         ds = list(load_prompts(dcfg))
+        template = dcfg.get("template") or cfg.data.get("template")  # null: the template the draft trained with
         if dcfg.get("turn", 1) == 2:
             ds = [r for r in ds if len(r["messages"]) >= 2]
-            firsts = [encode_prompt(tok, r["messages"][:-1]) for r in ds]
+            firsts = [encode_prompt(tok, r["messages"][:-1], template=template) for r in ds]
             log.info("eval_data.%s: the target answers %d first turns", name, len(ds))
             answers = reference_answers(target, firsts, e.max_new_tokens, 0.0, 1.0, e.seed, eos, pad, vocab,
                                         e.reference_batch_size)
@@ -212,7 +215,7 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
                   for r, a in zip(ds, answers)]
         prompts, skipped = [], 0
         for row in ds:
-            ids = encode_prompt(tok, row["messages"])
+            ids = encode_prompt(tok, row["messages"], template=template)
             if len(ids) > limit:
                 skipped += 1
                 continue
@@ -223,7 +226,7 @@ def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
         prompts = [prompts[i] for i in round_robin(prompts, e.prompts_per_set)]
         if skipped:
             log.warning("eval_data.%s: skipped %d prompts longer than %d tokens", name, skipped, limit)
-        sets.append(EvalSet(name, prompts, skipped))
+        sets.append(EvalSet(name, prompts, skipped, effective_template(tok, template)))
     return sets
 
 
@@ -406,10 +409,17 @@ def _dir_stamp(path: Optional[str]) -> Any:
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """Everything a report depends on; an equal fingerprint means the report on disk is current."""
-    return {"model": OmegaConf.to_container(cfg.model, resolve=True),
-            "evaluate": OmegaConf.to_container(cfg.evaluate, resolve=True),
-            "eval_data": OmegaConf.to_container(cfg.eval_data, resolve=True),
-            "drafts": [(name, path, _dir_stamp(path)) for name, path in resolve_drafts(cfg)]}
+    eval_data = OmegaConf.to_container(cfg.eval_data, resolve=True)
+    for d in eval_data.values():
+        if d.get("template") is None:
+            d.pop("template", None)  # the default: reports made before the field existed stay current
+    fp = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+          "evaluate": OmegaConf.to_container(cfg.evaluate, resolve=True),
+          "eval_data": eval_data,
+          "drafts": [(name, path, _dir_stamp(path)) for name, path in resolve_drafts(cfg)]}
+    if cfg.data.get("template") not in (None, CHAT):  # the eval sets' prompts follow it
+        fp["template"] = cfg.data.template
+    return fp
 
 
 def _current_report(out: Path, fp: dict[str, Any]) -> Optional[dict]:
@@ -570,7 +580,7 @@ def run(cfg: DictConfig) -> dict:
     cands = _candidates(cfg, tok)
     sets = load_eval_sets(cfg, tok, target)
     vocab = shared_vocab_size(tok, target)
-    draft_vocab = run_draft_vocab(cfg, vocab)  # None: the drafts' whole vocabulary
+    draft_vocab = run_draft_vocab(cfg, vocab, tok)  # None: the drafts' whole vocabulary
     rows: list[dict] = []
     models: dict[str, Any] = {}  # candidate name -> loaded draft (None: prompt lookup)
     for c in cands:  # all loaded up front: every setting times all decoders side by side
@@ -662,7 +672,7 @@ def build_report(cfg: DictConfig, rows: list[dict], sets: list[EvalSet], target)
                 "device": str(param.device),
                 "dtype": str(param.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
-                "eval_sets": {s.name: {"prompts": len(s.prompts), "skipped_overlong": s.skipped,
+                "eval_sets": {s.name: {"prompts": len(s.prompts), "skipped_overlong": s.skipped, "template": s.template,
                                        "categories": dict(Counter(p.category for p in s.prompts)),
                                        "source": OmegaConf.to_container(cfg.eval_data[s.name], resolve=True)}
                               for s in sets}}

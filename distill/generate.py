@@ -7,9 +7,11 @@
 Writes runs/<run>/generate/shard-r<rank>-<n>.parquet (one record per prompt and sample) and
 manifest.json; read them back with `load_generated(run_dir)`. A record holds id (the prompt id, plus
 "#<sample>" when generate.num_samples > 1), source, category, prompt (text), prompt_ids,
-response_ids, response (text without special tokens), finish_reason (eos | length), temperature,
+response_ids, response (text without special tokens), finish_reason (eos | stop | length), temperature,
 top_p, top_k, max_new_tokens and seed (the row's own seed). response_ids *include* the EOS token when
-finish_reason is eos, so a draft trained on them learns to stop; padding never appears. With
+finish_reason is eos, so a draft trained on them learns to stop; padding never appears. finish_reason
+stop: the answer's text ended with one of generate.stop_strings (a base model's answers, which have no
+EOS to end them); the tokens that spelled it are kept. With
 generate.store_topk=k a record also holds topk_ids [T, k] (int32) and topk_logits [T, k] (float16):
 the target's k largest raw logits at each response position, 6*k bytes per token before parquet
 compression (k=64: 384 B/token, ~48 KB for a 128-token answer).
@@ -56,6 +58,7 @@ from transformers import AutoConfig
 
 from distill.config import ConfigError, DataConfig
 from distill.data import PromptTooLong, encode_prompt, load_prompts, prompt_token_limit, render_prompt
+from distill.templates import stop_strings
 from distill.models import (
     check_tokenizers, load_target, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path, shared_vocab_size,
     tokenizer_fingerprint,
@@ -86,7 +89,7 @@ class Item:
 @dataclass
 class Output:
     response_ids: list[int]
-    finish_reason: str  # eos | length
+    finish_reason: str  # eos | stop (a generate.stop_strings entry) | length
     topk_ids: Optional[np.ndarray] = None  # [T, k] int32
     topk_logits: Optional[np.ndarray] = None  # [T, k] float16
 
@@ -108,6 +111,12 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
         data.pop("self_instruct_max_tokens", None)  # the default: identities written before the field still match
     if not data.get("skip"):
         data.pop("skip", None)  # the default: identities written before the field existed still match
+    if data.get("template") in (None, "chat"):
+        data.pop("template", None)  # the default: identities written before the field existed still match
+    sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k),
+                "max_new_tokens": int(g.max_new_tokens), "num_samples": int(g.num_samples), "seed": int(cfg.seed)}
+    if g.get("stop_strings"):  # only when set: identities written before the field existed still match
+        sampling["stop_strings"] = list(g.stop_strings)
     model = {"target": m.target, "revision": m.revision,
              "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")}
     if g.get("mixed_precision", "no") != "no":  # the default: identities written before the field still match
@@ -115,8 +124,7 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
     return {
         "model": model,
         "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-        "sampling": {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k),
-                     "max_new_tokens": int(g.max_new_tokens), "num_samples": int(g.num_samples), "seed": int(cfg.seed)},
+        "sampling": sampling,
         "prompts": {"max_prompt_tokens": int(g.max_prompt_tokens), "overlong": g.overlong},
         "store_topk": int(g.store_topk),
         "data": data,
@@ -148,6 +156,7 @@ def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, wor
             seen[row["id"]] = row["messages"]
             prompts.append(row)
     limit = prompt_token_limit(g.max_prompt_tokens, model_config, g.max_new_tokens)
+    template = cfg.data.get("template")  # every training prompt, in-domain ones too, as data.template says
     items: list[Item] = []
     skipped: list[str] = []
     truncated = 0
@@ -155,8 +164,8 @@ def build_items(cfg: DictConfig, tok: Any, model_config: Any, rank: int = 0, wor
         if rank_of(row["id"], world) != rank:
             continue
         try:
-            ids = encode_prompt(tok, row["messages"], limit)
-            text = render_prompt(tok, row["messages"])
+            ids = encode_prompt(tok, row["messages"], limit, template)
+            text = render_prompt(tok, row["messages"], template)
         except PromptTooLong as e:
             if g.overlong == "skip":
                 skipped.append(row["id"])
@@ -191,6 +200,10 @@ class HFBackend:
         gen_eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
         self.eos = {int(t) for t in [tok.eos_token_id, *gen_eos] if t is not None}
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.stops = stop_strings(g.get("stop_strings"))
+        # Tokens decoded to look for a stop string: the longest one's characters, each up to 4 bytes (a
+        # byte-level token holds at least one byte), plus slack; a character cut at the front is never in it.
+        self.stop_window = 4 * max((len(x) for x in self.stops), default=0) + 4
         self.continuous = True  # cleared when the model's cache cannot absorb new rows
         self.device_type = next(model.parameters()).device.type
         self.bf16 = g.get("mixed_precision", "no") == "bf16"
@@ -207,6 +220,12 @@ class HFBackend:
             kv.prefill(ids[:, :-1], mask[:, :-1])
             return kv, kv.step(ids[:, -1:])[:, -1].float()
 
+    def _stopped(self, response_ids: list[int]) -> bool:
+        """Whether the answer's text now contains a stop string. Checked after every token, so a match
+        in the decoded tail is one the newest token completed (an earlier one would have ended it)."""
+        tail = self.tok.decode(response_ids[-self.stop_window:], skip_special_tokens=True)
+        return any(x in tail for x in self.stops)
+
     @torch.no_grad()
     def stream(self, items: list[Item]) -> Iterator[tuple[Item, Output]]:
         """Decode every item; yields (item, output) as each answer ends (not in input order)."""
@@ -222,7 +241,7 @@ class HFBackend:
                         logits = torch.cat([logits, new_logits])
                     else:
                         kv, logits = new_kv, new_logits
-                except NotImplementedError:  # e.g. sliding-window caches: static batches instead
+                except NotImplementedError:  # caches KVModel cannot merge: static batches instead
                     self.continuous = False
                     queue += reversed(new)
                     continue
@@ -245,6 +264,8 @@ class HFBackend:
                     o.topk_logits.append(top_vals[j])
                 if t in self.eos:
                     o.finish_reason = "eos"
+                elif self.stops and self._stopped(o.response_ids):
+                    o.finish_reason = "stop"
                 elif len(o.response_ids) < g.max_new_tokens:
                     keep.append(j)
                     continue
@@ -294,13 +315,18 @@ class VLLMBackend:
         from vllm import SamplingParams
 
         g = self.g
+        stops = stop_strings(g.get("stop_strings")) or None  # the text that spelled a stop string stays, as with HF
         params = [SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k or -1,
-                                 max_tokens=g.max_new_tokens, seed=it.seed) for it in batch]
+                                 max_tokens=g.max_new_tokens, seed=it.seed, stop=stops,
+                                 include_stop_str_in_output=True) for it in batch]
         res = self.llm.generate([{"prompt_token_ids": it.prompt_ids} for it in batch], params, use_tqdm=False)
         outs = []
         for r in res:
             c = r.outputs[0]
             ids = list(c.token_ids)
+            if c.finish_reason == "stop" and isinstance(c.stop_reason, str):  # a generate.stop_strings entry
+                outs.append(Output(ids, "stop"))
+                continue
             eos = c.finish_reason == "stop"
             if eos and (not ids or ids[-1] != self.tok.eos_token_id):
                 ids.append(c.stop_reason if isinstance(c.stop_reason, int) else self.tok.eos_token_id)
@@ -447,7 +473,8 @@ def _totals(files: list[Path]) -> dict:
 SELF_INSTRUCT_FILE = "self_instruct.jsonl"
 # How the target writes its own prompts: sampled (diverse but mostly coherent at 0.8 / 0.95); the length
 # limit is data.self_instruct_max_tokens.
-SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "num_samples": 1, "store_topk": 0}
+SELF_INSTRUCT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "num_samples": 1, "store_topk": 0,
+                          "stop_strings": []}  # a written prompt ends at EOS
 SELF_INSTRUCT_MAX_TOKENS = DataConfig.self_instruct_max_tokens  # what samples written before the field had
 _MARKER = "\u2063SELF-INSTRUCT\u2063"
 

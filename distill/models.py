@@ -185,29 +185,42 @@ def load_target(cfg: ModelConfig):
     return model, tok
 
 
+def _block_list(model: PreTrainedModel, n: int) -> str:
+    """Qualified name of the model's list of n transformer blocks ("model.layers", "gpt_neox.layers",
+    "transformer.h", ...): the first ModuleList of that length."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and name:
+            return name
+    raise ConfigError(f"{type(model).__name__}: found no list of its {n} layers to pick draft layers from; "
+                      "use model.draft_init=config or pretrained")
+
+
 def draft_from_target(target: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
     """A new model made of `layers` of the target, with copies of its embeddings, final norm and head.
 
     Weights are copied (the draft trains without touching the target). Works for decoder-only models
-    that keep their blocks in `model.model.layers` (Llama, Qwen2, Mistral, Gemma, ...).
+    whose blocks sit in one ModuleList (model.layers in Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3;
+    gpt_neox.layers; transformer.h). Per-layer config lists (layer_types: sliding/full attention, and
+    any other list with one entry per layer) keep the chosen layers' entries.
     """
     n = target.config.num_hidden_layers
     bad = [i for i in layers if not -n <= i < n]
     if bad:
         raise ConfigError(f"model.draft_layers {bad} out of range: the target has {n} layers (0..{n - 1})")
     layers = [i % n for i in layers]
+    blocks = _block_list(target, n) + "."
     cfg = copy.deepcopy(target.config)
+    per_layer = [k for k, v in cfg.to_dict().items() if isinstance(v, list) and len(v) == n and n > 1]
     cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None):  # per-layer attention kinds (sliding/full) follow the layers
-        cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    for k in per_layer:  # e.g. layer_types: each kept layer keeps its attention kind
+        setattr(cfg, k, [getattr(cfg, k)[i] for i in layers])
     draft = type(target)(cfg).to(dtype=target.dtype, device=target.device)
     src = target.state_dict()
     state = {}
     for k in draft.state_dict():
-        if ".layers." in k:
-            pre, rest = k.split(".layers.", 1)
-            j, tail = rest.split(".", 1)
-            state[k] = src[f"{pre}.layers.{layers[int(j)]}.{tail}"]
+        if k.startswith(blocks):
+            j, tail = k[len(blocks):].split(".", 1)
+            state[k] = src[f"{blocks}{layers[int(j)]}.{tail}"]
         else:
             state[k] = src[k]
     draft.load_state_dict({k: v.clone() for k, v in state.items()})
@@ -291,9 +304,11 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits[..., :vocab_size]
 
 
-def run_draft_vocab(cfg: Any, vocab_size: int) -> Optional[torch.Tensor]:
+def run_draft_vocab(cfg: Any, vocab_size: int, tokenizer: Any = None) -> Optional[torch.Tensor]:
     """The run's draft vocabulary: the model.draft_vocab token ids its generated answers use most
-    (sorted [N] long), or None when model.draft_vocab is 0. Deterministic in the records."""
+    (sorted [N] long), or None when model.draft_vocab is 0. Deterministic in the records and the
+    tokenizer (the target's), whose single-character tokens fill the slots the answers leave free
+    (specdec.drafters.frequent_tokens); every stage must pass the same one."""
     n = int(cfg.model.draft_vocab or 0)
     if n == 0:
         return None
@@ -306,4 +321,4 @@ def run_draft_vocab(cfg: Any, vocab_size: int) -> Optional[torch.Tensor]:
     except ConfigError as err:
         raise ConfigError(f"model.draft_vocab={n} ranks tokens by this run's generated answers: {err} "
                           "(or set model.draft_vocab=0 for the whole vocabulary)") from None
-    return frequent_tokens(answers, min(n, vocab_size), vocab_size)
+    return frequent_tokens(answers, min(n, vocab_size), vocab_size, tokenizer)

@@ -34,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
 from distill.config import ConfigError, run_dir
-from distill.models import run_draft_vocab
+from distill.models import load_tokenizer, run_draft_vocab
+from distill.templates import prompt_code, stop_strings
 from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
 
@@ -306,15 +307,19 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
     for p in problems:
         body.append(f"> **Warning:** published with publish.force=true although {p}.\n")
     body.append("## How to use\n")
+    # the snippet prompts the target as training and evaluation did (data.template of the run's last stage)
+    template = (pick(prev, "data.template") if prev else None) or cfg.data.get("template")
+    inputs = prompt_code(load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir), template)
+    stops = stop_strings((pick(prev, "generate.stop_strings") if prev else None) or cfg.generate.get("stop_strings"))
+    stop_args = f", stop_strings={stops!r}, tokenizer=tok" if stops else ""
     body.append(f"transformers (assisted generation; `num_assistant_tokens` sets γ):\n\n```python\n"
                 f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 f'tok = AutoTokenizer.from_pretrained("{target_id}")\n'
                 f'target = AutoModelForCausalLM.from_pretrained("{target_id}")\n{load}\n'
                 f"draft.generation_config.num_assistant_tokens = {gamma}\n"
                 f'draft.generation_config.num_assistant_tokens_schedule = "constant"\n'
-                f'inputs = tok.apply_chat_template([{{"role": "user", "content": "Hello!"}}], add_generation_prompt=True,\n'
-                f'                                 return_tensors="pt", return_dict=True)\n'
-                f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)\n"
+                f"{inputs}\n"
+                f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False{stop_args})\n"
                 f"print(tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n")
     if cfg.model.draft_vocab:
         body.append(f"This project's decoder reads `{DRAFT_VOCAB_FILE}` (the {cfg.model.draft_vocab} tokens the "
@@ -405,7 +410,7 @@ def stage(cfg: DictConfig, src: DraftSource, card, tmp: Path) -> None:
         gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
         gen.pad_token_id = target_tok.pad_token_id
         gen.save_pretrained(tmp)
-    ids = run_draft_vocab(cfg, len(target_tok))
+    ids = run_draft_vocab(cfg, len(target_tok), target_tok)
     if ids is not None:  # the vocabulary the evaluation decoded with, for specdec users of the draft
         save_draft_vocab(tmp, ids, source=f"the {len(ids)} tokens the target's generated answers use most")
     card.save(tmp / "README.md")

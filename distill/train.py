@@ -286,7 +286,7 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"all {len(holdout)} generated records are held out; generate more or lower train.holdout")
     if cfg.student.kind == "lora" and acc.is_main_process:
         ck.save_init(out, draft, tok)
-    ids = run_draft_vocab(cfg, vocab) if t.draft_vocab else None
+    ids = run_draft_vocab(cfg, vocab, tok) if t.draft_vocab else None
     subset = VocabSubset(ids.to(acc.device), vocab) if ids is not None else None
     student = make_student(cfg, draft, out)
     if acc.mixed_precision != "no":

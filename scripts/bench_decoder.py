@@ -90,7 +90,7 @@ def load(args):
     return target, draft, tok, name
 
 
-def draft_vocabs(args, vocab: int) -> dict[str, torch.Tensor]:
+def draft_vocabs(args, vocab: int, tok=None) -> dict[str, torch.Tensor]:
     """Row name -> draft vocabulary ids, for each size in --draft-vocab."""
     out = {}
     answers = None
@@ -105,7 +105,7 @@ def draft_vocabs(args, vocab: int) -> dict[str, torch.Tensor]:
                     sys.exit("--draft-vocab N needs --vocab-from RUN_DIR (its generated answers rank the tokens)")
                 from distill.generate import load_generated
                 answers = load_generated(args.vocab_from)["response_ids"]
-            ids = frequent_tokens(answers, int(size), vocab)
+            ids = frequent_tokens(answers, int(size), vocab, tok)  # as the pipeline ranks them
         out[f"specdec vocab {len(ids)}"] = ids
     return out
 
@@ -186,7 +186,7 @@ def main(argv=None) -> None:
     draft.generation_config.assistant_confidence_threshold = 0.0  # constant γ: never cut a block short
     subset = {name: SpeculativeDecoder(target, ModelDrafter(draft, vocab=ids), gamma=g, eos_token_id=eos,
                                        pad_token_id=pad, vocab_size=vocab)
-              for name, ids in draft_vocabs(args, vocab).items()}
+              for name, ids in draft_vocabs(args, vocab, tok).items()}
     counter = CallCounter(target)
     print(f"target {args.target} | draft {draft_name} | γ={g} | {len(prompts)} prompts × {args.max_new_tokens} "
           f"tokens{' (EOS ignored)' if args.ignore_eos else ''} | {device} {target.dtype} | "

@@ -167,7 +167,7 @@ def main() -> None:
         if not n:
             return None
         answers = load_generated(data)["response_ids"]
-        return VocabSubset(frequent_tokens(answers, min(n, vocab), vocab), vocab)
+        return VocabSubset(frequent_tokens(answers, min(n, vocab), vocab, tok), vocab)
 
     if args.measure:
         sub = subset_of(args.draft_vocab or 0)

@@ -25,6 +25,7 @@ target token outside the subset is simply never proposed (that round rejects the
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import Counter
@@ -40,19 +41,50 @@ from .sampling import SamplingParams, logits_to_probs, sample
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # {"ids": [...], "source": "..."} beside a draft's weights
 
 
-def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, vocab_size: int) -> torch.Tensor:
+def _special_or_added(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens and of every token added on top of its model's vocabulary."""
+    return set(getattr(tokenizer, "all_special_ids", None) or []) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+
+
+def single_char_tokens(tokenizer, vocab_size: int) -> list[int]:
+    """Ids below vocab_size whose token decodes to exactly one character, ascending: the byte tokens of
+    a byte-level BPE (a lone byte of a multi-byte character decodes to U+FFFD, still one character), the
+    <0xNN> byte-fallback and single-character pieces of a SentencePiece vocabulary. Special and added
+    tokens (BOS/EOS, <unused*> slots, chat markers) are never among them."""
+    excluded = _special_or_added(tokenizer)
+    ids = [i for i in range(min(vocab_size, len(tokenizer))) if i not in excluded]
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return [i for i, text in zip(ids, texts) if len(text) == 1]
+
+
+def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, vocab_size: int, tokenizer=None) -> torch.Tensor:
     """The ``size`` ids (< vocab_size) that occur most often in ``sequences`` -> sorted [size] long.
 
-    Ties, and the remainder when fewer distinct ids occur, go to the lowest ids: in a BPE vocabulary
-    those are the byte tokens and the earliest (most frequent) merges.
+    Ties go to the lower id. When fewer distinct ids occur than ``size``, the rest is filled:
+    - with a ``tokenizer``: first the single-character tokens (``single_char_tokens``: any text can
+      still be spelled out), then the lowest ids that are neither special nor added tokens, and only
+      then anything else; this holds for any vocabulary, also one whose first ids are specials and
+      <unused*> slots;
+    - without one: the lowest ids (in a BPE vocabulary, the byte tokens and the earliest merges).
     """
     if not 1 <= size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}] (got {size})")
     counts = Counter(int(t) for seq in sequences for t in seq if 0 <= int(t) < vocab_size)
     ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    chosen = set(ranked)
-    fill = (t for t in range(vocab_size) if t not in chosen)
-    ranked += [next(fill) for _ in range(size - len(ranked))]
+    if len(ranked) < size:
+        chosen = set(ranked)
+        order: Iterable[int] = range(vocab_size)
+        if tokenizer is not None:
+            excluded = _special_or_added(tokenizer)
+            singles = single_char_tokens(tokenizer, vocab_size)
+            plain = (t for t in range(vocab_size) if t not in excluded)
+            order = itertools.chain(singles, plain, range(vocab_size))
+        for t in order:
+            if len(ranked) == size:
+                break
+            if t not in chosen:
+                chosen.add(t)
+                ranked.append(t)
     return torch.tensor(sorted(ranked), dtype=torch.long)
 
 

@@ -12,6 +12,13 @@ only, so rotary embeddings see each row as a contiguous sequence, exactly as wit
 Columns that are holes for every row are cropped off the end, so a batch of one never has any
 hole and runs without a mask. Finished rows leave the batch (``select_rows``).
 
+Sliding-window layers (Mistral, Gemma 2/3, Qwen2/3 with use_sliding_window, Phi-3) keep every past
+column here, like full-attention layers: transformers' sliding-window cache keeps only the last
+window - 1 columns and cannot give back the ones a rejected draft token pushed out. The window is
+applied by the attention mask instead: the model's own mask when no row has holes (columns are then
+positions), else a 4D mask built here that counts the window in each row's real tokens. The cost is
+memory: such a layer's cache grows with the sequence like a full-attention layer's.
+
 Works with transformers 4.46+ (``past_key_values=``) and 5.x (``cache=``).
 """
 from __future__ import annotations
@@ -27,9 +34,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 try:
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 except ImportError:  # transformers 4.x before per-layer cache objects: plain DynamicCache
-    DynamicLayer = None
+    DynamicLayer = DynamicSlidingWindowLayer = None
+
+# Layer types whose cache KVModel keeps (and rolls back) as one growing full-length layer.
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
 def _forward_kwargs(model: torch.nn.Module) -> tuple[str, str | None]:
@@ -87,13 +97,51 @@ def _full_attention_layers(cache: DynamicCache) -> list:
     return layers if ok else []
 
 
+def _text_config(model: torch.nn.Module):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
+    """Sliding windows of the model's attention layers: {layer type: window, or None for full attention};
+    {} when no layer has a window (or transformers is 4.x, whose DynamicCache keeps every column anyway).
+
+    Read from the cache transformers builds for the model, so it follows the same config rules
+    (layer_types, use_sliding_window, max_window_layers). Raises NotImplementedError for layer kinds
+    whose cache cannot be rolled back by dropping columns (linear attention, chunked attention, shared KV).
+    """
+    if DynamicLayer is None:
+        return {}
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except TypeError:
+        return {}
+    cfg = _text_config(model)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if not types:  # Mistral, Phi-3: every layer sliding when config.sliding_window is set
+        types = ["sliding_attention" if x.is_sliding else "full_attention" for x in layers]
+    kinds = {type(x) for x in layers}
+    if not kinds <= {DynamicLayer, DynamicSlidingWindowLayer} or not set(types) <= set(_ATTENTION_TYPES):
+        raise NotImplementedError(
+            f"speculative decoding needs attention caches that can be rolled back (full or sliding-window "
+            f"attention); {type(model).__name__} has layer types {sorted(set(types))} with caches "
+            f"{sorted(k.__name__ for k in kinds)}"
+        )
+    windows = {t: (x.sliding_window if x.is_sliding else None) for t, x in zip(types, layers)}
+    return windows if any(w is not None for w in windows.values()) else {}
+
+
 def new_cache(model: torch.nn.Module) -> DynamicCache:
+    """An empty cache for ``model`` whose full and sliding-window attention layers all keep every
+    column (GrowingLayer), so that any number of trailing columns can be dropped (see the module
+    docstring); other layer kinds are left as transformers builds them."""
     try:
         cache = DynamicCache(config=model.config)  # 5.x: layer types (sliding window, ...) from the config
     except TypeError:
         return DynamicCache()
     layers = getattr(cache, "layers", None)
-    if DynamicLayer is not None and layers and all(type(x) is DynamicLayer for x in layers):
+    if DynamicLayer is not None and layers and all(type(x) in (DynamicLayer, DynamicSlidingWindowLayer)
+                                                   for x in layers):
         cache.layers = [GrowingLayer() for _ in layers]
     return cache
 
@@ -359,6 +407,16 @@ class KVModel:
         self._body_cache_arg = _forward_kwargs(body)[0] if body is not None else self._cache_arg
         self._lazy_ok: bool | None = None
         self.lean = lean_forward_ok(model)  # the lean forward (masked columns included)
+        self.windows = attention_windows(model)  # {layer type: sliding window | None}; {} = no window
+        # Models with per-layer types take one mask per type (a dict); Mistral-style ones a single mask.
+        self._mask_per_type = getattr(_text_config(model), "layer_types", None) is not None
+        impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if self.windows and impl not in ("sdpa", "eager"):
+            raise NotImplementedError(
+                f"sliding-window models are decoded with 4D attention masks, which attn_implementation={impl!r} "
+                "does not take; load the model with attn_implementation='sdpa' (or 'eager')"
+            )
+        self._additive_mask = impl == "eager"  # eager attention adds the mask to the scores
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, capacity]
         self.pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] next position per row
@@ -370,8 +428,37 @@ class KVModel:
     def _kwargs(self, cache_arg: str, position_ids: torch.Tensor) -> dict:
         kwargs = {cache_arg: self.cache, "use_cache": True, "position_ids": position_ids}
         if self.holes:
-            kwargs["attention_mask"] = self.mask[:, : self.length]
+            q = position_ids.shape[1]
+            kwargs["attention_mask"] = self._window_masks(q) if self.windows else self.mask[:, : self.length]
         return kwargs
+
+    def _window_masks(self, q: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """4D masks [B, 1, q, L] for the last q columns of a model with sliding-window layers.
+
+        transformers counts a window in cache columns, which a row's holes would make too short; here
+        it is counted in the row's real tokens: query token i sees real token j iff j <= i and
+        i - j < window (in positions), as the model sees an unbroken sequence. A query column that is
+        a hole still sees itself, so its (unused) output stays finite. One mask per layer type (a dict)
+        for models that have layer_types, else the sliding one alone.
+        """
+        L, dev = self.length, self.device
+        cols = self.mask[:, :L]  # [B, L]
+        pos = cols.long().cumsum(1)  # [B, L] position of each column in its row (+1), holes repeat
+        idx = torch.arange(L, device=dev)
+        query = idx[L - q :, None]  # [q, 1] the new columns
+        causal = cols[:, None, :] & (idx[None, :] <= query)[None]  # [B, q, L]
+        diag = (idx[None, :] == query)[None]  # [1, q, L]
+        masks: dict[str, torch.Tensor] = {}
+        for kind, window in self.windows.items():
+            if kind in masks:
+                continue
+            m = causal if window is None else causal & (pos[:, L - q :, None] - pos[:, None, :] < window)
+            m = (m | diag)[:, None]  # [B, 1, q, L]
+            if self._additive_mask:
+                dtype = self.model.dtype
+                m = torch.zeros(m.shape, dtype=dtype, device=dev).masked_fill_(~m, torch.finfo(dtype).min)
+            masks[kind] = m
+        return masks if self._mask_per_type else masks["sliding_attention"]
 
     def _cols(self) -> torch.Tensor | None:
         return self.mask[:, : self.length] if self.holes else None
@@ -500,8 +587,8 @@ class KVModel:
         """Append the rows of ``other`` (same model, its own prefill) below this batch's rows.
 
         The shorter of the two is left-padded with hole columns, so a batch can take in new prompts
-        while its rows decode (continuous batching). Needs full-attention layer caches (transformers
-        5.x DynamicLayer); raises NotImplementedError for other cache kinds.
+        while its rows decode (continuous batching). Needs the full-length layer caches new_cache builds
+        for full and sliding-window attention (transformers 5.x); raises NotImplementedError for others.
         """
         layers_a, layers_b = _full_attention_layers(self.cache), _full_attention_layers(other.cache)
         if not layers_a or not layers_b:

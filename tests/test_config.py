@@ -63,6 +63,10 @@ def test_smoke_is_small():
         ("generate.num_samples=4", "generate.temperature > 0"),
         ("loss.prompt_ce_weight=-1", "loss.prompt_ce_weight must be >= 0"),
         ("loss.prompt_ce_weight=0.5 train.prompt_grad=false", "set train.prompt_grad=true"),
+        ("data.template=Answer:", "data.template: 'Answer:' has no {prompt} field"),
+        ("data.template='Q:{question}'", "use data.template=chat or a format string"),
+        ("eval_data.mt_bench.template='{prompt'", "eval_data.mt_bench.template: '{prompt' is not a format string"),
+        ("generate.stop_strings=['']", "generate.stop_strings"),
     ],
 )
 def test_bad_values_name_the_fix(override, needle):
@@ -70,6 +74,11 @@ def test_bad_values_name_the_fix(override, needle):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert needle in str(e.value)
+
+
+def test_plain_template_and_stop_strings_validate():
+    validate(_compose("pipeline", ["data.template='Question: {prompt}\\nAnswer:'", "generate.stop_strings=['\\nQuestion:']",
+                                   "eval_data.humaneval.template='{prompt}'"]))
 
 
 def test_typo_fails_at_composition():

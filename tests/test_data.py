@@ -235,6 +235,51 @@ def test_encode_prompt_without_chat_template_falls_back_to_a_transcript():
     assert tok.decode(ids) == render_prompt(tok, [{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
 
 
+def test_fallback_warns_once_naming_the_option(caplog):
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    tok.name_or_path = "base-model-without-template"
+    with caplog.at_level("WARNING", logger="distill.templates"):
+        for text in ("hi", "again", "and again"):
+            encode_prompt(tok, [{"role": "user", "content": text}])
+            render_prompt(tok, [{"role": "user", "content": text}])
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "data.template" in warnings[0].getMessage()
+    assert "base-model-without-template" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["tokenizer-with-template", "without"])
+def test_plain_template_formats_the_user_text_for_any_tokenizer(chat):
+    tok = tiny_tokenizer()
+    if not chat:
+        tok.chat_template = None
+    fmt = "Question: {prompt}\nAnswer:"
+    msgs = [{"role": "user", "content": "héllo {x}"}]  # braces in the prompt are text, not fields
+    text = "Question: héllo {x}\nAnswer:"
+    assert render_prompt(tok, msgs, fmt) == text
+    assert encode_prompt(tok, msgs, template=fmt) == tok.encode(text)
+    # a shell passes "\n" as two characters: the same prompt
+    assert encode_prompt(tok, msgs, template="Question: {prompt}\\nAnswer:") == tok.encode(text)
+    sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs]
+    assert render_prompt(tok, sys_msgs, "{system}\n\n" + fmt) == "Be brief.\n\n" + text
+    with pytest.raises(ConfigError, match="no {system} field"):
+        render_prompt(tok, sys_msgs, fmt)
+    with pytest.raises(ConfigError, match="formats one user turn"):
+        encode_prompt(tok, [*msgs, {"role": "assistant", "content": "a"}, *msgs], template=fmt)
+    assert render_prompt(tok, msgs, "chat") == render_prompt(tok, msgs, None)  # null means chat
+
+
+def test_template_problems_name_the_fix():
+    from distill.templates import template_problem
+
+    assert template_problem("chat") is None and template_problem(None) is None
+    assert template_problem("Q: {prompt}\nA:") is None and template_problem("{system} {prompt}") is None
+    assert "has the fields ['question']" in template_problem("Question: {question}")
+    assert "no {prompt} field" in template_problem("Answer:")
+    assert "literal brace" in template_problem("{prompt} {")
+    assert "only {prompt} and {system}" in template_problem("{prompt} {answer}")
+
+
 def test_id_list_normalisation():
     import torch
 

@@ -213,6 +213,44 @@ def test_skip_is_part_of_the_identity_only_when_set(tmp_path, prompts_file):
     assert skipped["data"]["skip"] == 2 and skipped != plain
 
 
+def test_base_model_template_and_stop_strings(tmp_path, prompts_file):
+    """data.template formats every prompt; an answer ends at the first token whose text completes a stop
+    string (finish_reason stop), and is otherwise the answer generated without stop strings."""
+    from omegaconf import OmegaConf
+
+    fmt = "Question: {prompt}\nAnswer:"
+    free_cfg = make_cfg(tmp_path / "free", prompts_file, "generate.batch_size=3")
+    OmegaConf.update(free_cfg, "data.template", fmt)
+    run(free_cfg)
+    free = {r["id"]: r for r in records(tmp_path / "free" / "t")}
+    tok = load_tokenizer("tiny")
+    for r in free.values():
+        text = fmt.format(prompt=PROMPTS[int(r["id"].split("-")[1])])
+        assert r["prompt"] == text and r["prompt_ids"] == tok.encode(text)
+    # the most common character of the free answers: several of them stop early
+    chars = collections.Counter(c for r in free.values() for c in tok.decode(r["response_ids"], skip_special_tokens=True))
+    stop = chars.most_common(1)[0][0]
+
+    cfg = make_cfg(tmp_path / "stop", prompts_file, "generate.batch_size=3")
+    OmegaConf.update(cfg, "data.template", fmt)
+    OmegaConf.update(cfg, "generate.stop_strings", [stop, "never written"])
+    summary = run(cfg)
+    got = {r["id"]: r for r in records(tmp_path / "stop" / "t")}
+    assert got.keys() == free.keys()
+    for rid, r in got.items():
+        ids = free[rid]["response_ids"]
+        ends = [j + 1 for j in range(len(ids)) if stop in tok.decode(ids[: j + 1], skip_special_tokens=True)]
+        if ends and (free[rid]["finish_reason"] == "length" or ends[0] <= len(ids) - 1):
+            assert r["response_ids"] == ids[: ends[0]] and r["finish_reason"] == "stop", rid
+        else:
+            assert r["response_ids"] == ids and r["finish_reason"] == free[rid]["finish_reason"], rid
+    assert summary["finish_reasons"].get("stop", 0) >= 2
+    ident = generate.identity(cfg, tok)
+    assert ident["sampling"]["stop_strings"] == [stop, "never written"] and ident["data"]["template"] == fmt
+    plain = generate.identity(make_cfg(tmp_path, prompts_file), tok)
+    assert "stop_strings" not in plain["sampling"] and "template" not in plain["data"]  # old data still matches
+
+
 def _eval_file(tmp_path, texts: list[str], ids: list[str]) -> str:
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps({"prompt": t, "id": i}) + "\n" for t, i in zip(texts, ids)))

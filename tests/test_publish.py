@@ -109,6 +109,35 @@ def test_model_card_metadata_and_body(tmp_path, run):
     assert "FKL" in text
 
 
+def _card_inputs(card_text: str, tok) -> list[int]:
+    """Run the card's `inputs = ...` lines (up to the generate call) with `tok` -> the prompt ids."""
+    code = card_text.split("inputs = ", 1)[1].split("out = target.generate", 1)[0]
+    scope = {"tok": tok}
+    exec("inputs = " + code, scope)
+    return scope["inputs"]["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("template,chat", [(None, True), ("Question: {prompt}\\nAnswer:", True), (None, False)],
+                         ids=["chat-template", "plain-format", "no-chat-template-fallback"])
+def test_card_prompts_the_target_as_training_and_evaluation_did(tmp_path, run, template, chat):
+    from distill.data import encode_prompt
+
+    tok = load_tokenizer("tiny")
+    if not chat:  # a base model's tokenizer: the target dir carries no chat template
+        tok.chat_template = None
+    target_dir = tmp_path / "target"
+    load_model("tiny", device="cpu").save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    overrides = [f"model.target={target_dir}", "generate.stop_strings=['\\nQuestion:']"]
+    if template:
+        overrides.append(f"data.template='{template}'")
+    publish.run(_cfg(tmp_path, *overrides))
+    text = (run / "publish" / "README.md").read_text()
+    assert ("apply_chat_template" in text) == (chat and template is None)
+    assert _card_inputs(text, tok) == encode_prompt(tok, [{"role": "user", "content": "Hello!"}], template=template)
+    assert "stop_strings=['\\nQuestion:'], tokenizer=tok" in text
+
+
 def test_base_model_of_the_embedded_default():
     from omegaconf import OmegaConf
 
@@ -333,7 +362,8 @@ def test_draft_vocabulary_travels_with_the_draft(tmp_path, run):
     write_generated(run, [[7, 7, 9, 40], [9, 41]])
     out = publish.run(_cfg(tmp_path, "model.draft_vocab=6", "publish.repo_id=me/tiny-draft"))
     folder = Path(out["folder"])
-    assert load_draft_vocab(folder).tolist() == [0, 1, 7, 9, 40, 41]  # by count, then the lowest ids
+    # by count, then the lowest single-character tokens: ids 0-2 are the tiny tokenizer's specials
+    assert load_draft_vocab(folder).tolist() == [3, 4, 7, 9, 40, 41]
     card = (folder / "README.md").read_text()
     assert "draft_vocab.json" in card and "python -m specdec --target" in card
     publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-draft"))  # model.draft_vocab=0: no file

@@ -574,6 +574,34 @@ def test_frequent_tokens_ranks_by_count_then_fills_with_lowest_ids(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def _tokenizer_with_specials_first():
+    """Ids 0-2 specials, 3-7 added <unused*> slots, 8-12 plain <unused*> tokens, 13-15 words, 16-21 single
+    characters: the layout of vocabularies whose lowest ids are not the useful ones."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>", *[f"<unused{i}>" for i in range(10)], "the", "and", "of", *"abcde", "x"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.add_tokens([f"<unused{i}>" for i in range(5)])  # already in the vocabulary: marked added, same ids
+    assert tok.convert_tokens_to_ids(["<unused0>", "the", "a"]) == [3, 13, 16] and len(tok) == 22
+    return tok
+
+
+def test_frequent_tokens_fill_with_single_characters_never_specials():
+    from specdec.drafters import single_char_tokens
+
+    tok = _tokenizer_with_specials_first()
+    assert single_char_tokens(tok, 22) == [16, 17, 18, 19, 20, 21]
+    assert frequent_tokens([[14, 14, 17]], 6, 22).tolist() == [0, 1, 2, 3, 14, 17]  # no tokenizer: lowest ids
+    assert frequent_tokens([[14, 14, 17]], 6, 22, tok).tolist() == [14, 16, 17, 18, 19, 20]
+    # past the single characters: plain tokens by id (the <unused*> entries of the model's own vocabulary
+    # too: nothing marks them), specials and added tokens only when nothing else is left
+    assert frequent_tokens([[1]], 12, 22, tok).tolist() == [1, 8, 9, 10, 11, 12, 16, 17, 18, 19, 20, 21]
+    assert frequent_tokens([], 17, 22, tok).tolist() == [0, 1, 2, *range(8, 22)]  # 14 non-excluded, then 0-2
+    assert frequent_tokens([[1, 1]], 3, 22, tok).tolist() == [1, 16, 17]  # a special that occurs still counts
+
+
 # -- the lean forward (Llama-style models, steps without masked columns) ---------------------------
 def test_lean_forward_equals_the_models_forward(target):
     from specdec import kv
