@@ -223,12 +223,12 @@ def head_replay_proposals(head: FeatureHead, target: torch.nn.Module, prompt_ids
         target(input_ids=seq[:, :n_cols], use_cache=False)
         feats = taps.take().to(head.fc.weight.dtype)  # [1, n_cols, F]
 
-    def argmax_ids(j: int, logits: torch.Tensor) -> torch.Tensor:
-        return head.vocab_ids[logits.argmax(-1)]
+    def argmax_ids(j: int, g: torch.Tensor) -> torch.Tensor:
+        return head.vocab_ids[head.logits(g).argmax(-1)]
 
     def proposals(f: torch.Tensor, toks: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         steps = head.unroll(f, toks, depth, argmax_ids)
-        logits = torch.stack([lg[0, rows] for _, lg in steps], dim=1)  # [R, depth, S]
+        logits = torch.stack([head.logits(g[0, rows]) for g in steps], dim=1)  # [R, depth, S]
         top = logits.topk(min(2, logits.shape[-1]), dim=-1).values
         gap = top[..., 0] - top[..., 1] if top.shape[-1] > 1 else torch.full_like(top[..., 0], float("inf"))
         return head.vocab_ids[logits.argmax(-1)], gap.float()

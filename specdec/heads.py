@@ -255,14 +255,14 @@ class FeatureHead(nn.Module):
         return int(self.spec["num_layers"])
 
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, steps: int,
-               next_tokens: Callable[[int, torch.Tensor], torch.Tensor],
-               valid: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               next_tokens: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+               valid: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test: `steps` draft steps for every pair at once, with the attention pattern of
         decoding. features [B, T, n·H_t] and tokens [B, T] are the pairs (f_t, x_{t+1}) at positions t
         (right-padded; valid [B, T] marks real pairs). Step j >= 2 of row t is the j-th proposal of a
-        round whose first pair is t: it reads g of step j-1 at t, the token next_tokens(j, logits of step
-        j-1) [B, T], position t + j - 1, and attends to the real pairs 0..t (step 1's keys) and to steps
-        2..j of its own row. Returns [(g [B, T, H], logits [B, T, S])] per step."""
+        round whose first pair is t: it reads g of step j-1 at t, the token next_tokens(j, g of step j-1)
+        [B, T], position t + j - 1, and attends to the real pairs 0..t (step 1's keys) and to steps 2..j
+        of its own row. Returns g [B, T, H] per step (logits(g): its proposal's logits)."""
         B, T = tokens.shape
         pos = torch.arange(T, device=tokens.device).expand(B, T)
         keep = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None]  # [1, 1, T, T]
@@ -273,10 +273,9 @@ class FeatureHead(nn.Module):
         out, h = [], self.fuse(features)
         for j in range(1, steps + 1):
             if j > 1:
-                tokens = next_tokens(j, out[-1][1])
-            g = self.step(h, tokens, pos + (j - 1), attends)
-            out.append((g, self.logits(g)))
-            h = g
+                tokens = next_tokens(j, h)
+            h = self.step(h, tokens, pos + (j - 1), attends)
+            out.append(h)
         return out
 
     # -- saving ---------------------------------------------------------------------------------------

@@ -50,9 +50,9 @@ def fit_head(target, prompts, steps: int = 60, ttt: int = 3, vocab_ids=None) -> 
         for _ in range(steps):
             out = head.unroll(feats[:, :-1], ids[:, 1:], ttt, lambda j, _: F.pad(ids[:, j:], (0, j - 1)), valid[:, :-1])
             loss = 0
-            for j, (_, q) in enumerate(out, start=1):  # step j at pair t predicts position t + j + 1
+            for j, g in enumerate(out, start=1):  # step j at pair t predicts position t + j + 1
                 n = T - 1 - j
-                p, lq, m = logp[:, j : j + n], q[:, :n].log_softmax(-1), valid[:, j + 1 : j + 1 + n]
+                p, lq, m = logp[:, j : j + n], head.logits(g[:, :n]).log_softmax(-1), valid[:, j + 1 : j + 1 + n]
                 loss = loss + ((p.exp() * (p - lq)).sum(-1) * m).sum() / m.sum()
             opt.zero_grad()
             loss.backward()
@@ -233,8 +233,8 @@ def test_subset_head_saves_the_draft_to_target_offsets(target, tmp_path):
     x = torch.randn(1, 3, 2 * 64)
     tok = torch.tensor([[5, 6, 7]])
     nt = lambda j, lg: tok  # noqa: E731
-    for (g1, l1), (g2, l2) in zip(head.unroll(x, tok, 2, nt), again.unroll(x, tok, 2, nt)):
-        assert torch.equal(l1, l2)
+    for g1, g2 in zip(head.unroll(x, tok, 2, nt), again.unroll(x, tok, 2, nt)):
+        assert torch.equal(head.logits(g1), again.logits(g2))
 
 
 # -- bad input ------------------------------------------------------------------------------------
