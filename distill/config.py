@@ -5,7 +5,7 @@ the same keys and a typo in an override fails at composition time. `validate(cfg
 mistakes into one `ConfigError` that names the fix; stages call it before doing any work.
 
 Sections: model (target/draft), data (training prompts), eval_data (evaluation prompt sets),
-generate, loss, student, train, evaluate, publish.
+generate, loss, student, head (student=head), train, evaluate, publish.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class LossConfig:
 
 @dataclass
 class StudentConfig:
-    kind: str = "full"  # full | lora
+    kind: str = "full"  # full | lora | head (a feature head: see the head section)
     freeze_embeddings: bool = True  # embeddings/LM head shared with the target stay fixed
     freeze_layers: int = 0  # the draft's first N decoder layers keep the target's weights (no backward through them)
     lora_r: int = 16
@@ -128,6 +128,18 @@ class StudentConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     merge: bool = True  # also save a merged plain model next to the adapter
+
+
+@dataclass
+class HeadConfig:
+    """student=head: an EAGLE-3 style feature head (specdec.heads) instead of a standalone draft."""
+
+    # target layers whose hidden states the head reads (id j = the state entering layer j, as vLLM counts);
+    # null = EAGLE-3's low / middle / high choice (2, L//2, L-3). vLLM and SGLang serve exactly three.
+    layers: Optional[list[int]] = None
+    num_layers: int = 1  # decoder layers in the head (SGLang serves 1)
+    # training-time test: unroll the head K steps on its own hidden states, the loss at every step
+    ttt_steps: int = 3
 
 
 @dataclass
@@ -218,6 +230,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
@@ -237,7 +250,7 @@ CHOICES = {
     "generate.backend": {"transformers", "vllm"},
     "generate.mixed_precision": {"no", "bf16"},
     "loss.name": {"fkl", "rkl", "jsd", "tvd"},
-    "student.kind": {"full", "lora"},
+    "student.kind": {"full", "lora", "head"},
     "train.schedule": {"cosine", "linear", "constant"},
     "train.teacher": {"online", "topk"},
     "train.resume": {"auto", "never"},
@@ -361,6 +374,12 @@ def validate(cfg: DictConfig | Config) -> None:
     )
     s = cfg.student
     need(s.lora_r >= 1, "student.lora_r must be >= 1")
+    h = cfg.get("head")
+    if h is not None and s.kind == "head":
+        need(h.num_layers >= 1, f"head.num_layers={h.num_layers} must be >= 1")
+        need(h.ttt_steps >= 1, f"head.ttt_steps={h.ttt_steps} must be >= 1 (1 = no training-time test)")
+        need(h.layers is None or len(h.layers) >= 1, "head.layers must list at least one target layer (or be null)")
+        need(t.on_policy_fraction == 0, "student=head trains on the target's own answers; set train.on_policy_fraction=0")
     e = cfg.evaluate
     need(len(e.gammas) > 0 and all(x >= 1 for x in e.gammas), f"evaluate.gammas={list(e.gammas)} must be >= 1")
     need(all(x >= 0 for x in e.temperatures), "evaluate.temperatures must be >= 0")

@@ -59,6 +59,7 @@ class DraftSource:
     name: str  # the report's row name for this draft ("best", "checkpoint-40") or its path
     path: Path  # the draft dir as given
     kind: str  # "model" (copy a plain dir) | "merge" (merge a LoRA adapter) | "adapter" (copy the adapter)
+    #            | "head" (an EAGLE-3 feature head, student=head: copy its checkpoint as it is)
     weights: Path  # the dir holding the files to copy (model dir or adapter dir)
 
 
@@ -81,6 +82,8 @@ def resolve_draft(cfg: DictConfig) -> DraftSource:
             f"no draft at {path}: run the distill stage first (`python -m distill.train run_name={cfg.run_name}`) "
             f"or set publish.draft=<a draft dir>"
         )
+    if _is_head_dir(path):
+        return DraftSource(name, path, "head", path)
     adapter = next((d for d in (path, path / "adapter") if (d / "adapter_config.json").is_file()), None)
     merged = next((d for d in (path, path / "merged", path.parent / f"{path.name}-merged") if _is_model_dir(d)), None)
     if cfg.publish.merge or adapter is None:
@@ -93,6 +96,40 @@ def resolve_draft(cfg: DictConfig) -> DraftSource:
         raise ConfigError(f"{path} holds neither a model (config.json + weights) nor a LoRA adapter; "
                           f"point publish.draft at a draft dir")
     return DraftSource(name, path, "adapter", adapter)
+
+
+def _is_head_dir(d: Path) -> bool:
+    from specdec.heads import ARCHITECTURE
+
+    try:
+        return ARCHITECTURE in (read_json(d / "config.json").get("architectures") or [])
+    except (OSError, ValueError):
+        return False
+
+
+def _head_usage(target_id: str, repo: str, gamma: int, head_cfg: dict) -> list[str]:
+    """The card's 'How to use' for a feature head: vLLM and SGLang load it as an EAGLE-3 draft."""
+    layers = head_cfg.get("eagle_aux_hidden_state_layer_ids") or []
+    out = [f"An EAGLE-3 draft head: one decoder layer that reads the target's hidden states entering layers "
+           f"{layers} (vLLM's numbering) and proposes over a {head_cfg.get('draft_vocab_size')}-token draft "
+           f"vocabulary (`d2t` maps it to the target's ids). It runs only beside this target.\n"]
+    if len(layers) != 3 or head_cfg.get("num_hidden_layers") != 1:
+        out.append(f"> **Note:** vLLM reads exactly three target layers and SGLang single-layer heads; this head "
+                   f"reads {len(layers)} and has {head_cfg.get('num_hidden_layers')} layer(s), so it may load in "
+                   f"neither. Train with head.layers of three ids and head.num_layers=1 to serve it.\n")
+    out.append(f"vLLM:\n\n```python\nfrom vllm import LLM\n"
+               f'llm = LLM(model="{target_id}", speculative_config={{"method": "eagle3", "model": "{repo}", '
+               f'"num_speculative_tokens": {gamma}}})\n```\n\n'
+               f"```bash\nvllm serve {target_id} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+               f"\"{repo}\", \"num_speculative_tokens\": {gamma}}}'\n```\n")
+    out.append(f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {target_id} \\\n"
+               f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {repo} \\\n"
+               f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}\n```\n")
+    out.append(f"This project's lossless decoder (specdec):\n\n```python\n"
+               f"from specdec import HeadDrafter, SpeculativeDecoder, load_head\n"
+               f'head = load_head("<local copy of {repo}>", target)   # target: the HF model above\n'
+               f"out = SpeculativeDecoder(target, HeadDrafter(head), gamma={gamma}).generate(prompt_ids)\n```\n")
+    return out
 
 
 def hub_id(name: Optional[str]) -> Optional[str]:
@@ -121,7 +158,7 @@ def draft_rows(report: dict, src: DraftSource) -> list[dict]:
     here = src.path.resolve()
     return [
         r for r in report.get("rows", [])
-        if r.get("kind") == "model" and not r.get("error") and (r.get("name") == src.name or (r.get("draft") and Path(r["draft"]).resolve() == here))
+        if r.get("kind") in ("model", "head") and not r.get("error") and (r.get("name") == src.name or (r.get("draft") and Path(r["draft"]).resolve() == here))
     ]
 
 
@@ -223,7 +260,9 @@ def _training_section(cfg: DictConfig, prev: Optional[dict], summary: Optional[d
             f"`{m.get('draft')}`" if m.get("draft_init") == "pretrained" else "a fresh model from the target's config")
     loss = lo.get("name", "?").upper() + (f" (β={lo.get('beta')})" if lo.get("name") == "jsd" else "")
     loss += f", temperature {lo.get('temperature')}" + (f", + {lo.get('ce_weight')} × cross-entropy" if lo.get("ce_weight") else "")
-    student = "full fine-tune" if s.get("kind") == "full" else f"LoRA r={s.get('lora_r')}, α={s.get('lora_alpha')}"
+    student = ("full fine-tune" if s.get("kind") == "full" else
+               f"feature head (EAGLE-3), training-time test over {c.get('head', {}).get('ttt_steps')} steps"
+               if s.get("kind") == "head" else f"LoRA r={s.get('lora_r')}, α={s.get('lora_alpha')}")
     lines = [
         f"- **draft initialised from**: {init}",
         f"- **data**: the target's own answers ({samp}, up to {g.get('max_new_tokens')} new tokens) to "
@@ -267,7 +306,8 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
     gamma = int(headline.get("gamma") if headline.get("name") == src.name else (best or {}).get("gamma")
                 or cfg.evaluate.gammas[0])
     data = ModelCardData(base_model=base_model(cfg.model), library_name="transformers", pipeline_tag="text-generation",
-                         tags=TAGS + (["lora"] if src.kind == "adapter" else []), license=cfg.publish.license)
+                         tags=TAGS + (["lora"] if src.kind == "adapter" else ["eagle3"] if src.kind == "head" else []),
+                         license=cfg.publish.license)
     link = f"[{target_id}](https://huggingface.co/{target_id})" if hub_id(target) else f"`{target}`"
     load = (f'draft = AutoModelForCausalLM.from_pretrained("{repo}")' if src.kind != "adapter" else
             f'from peft import AutoPeftModelForCausalLM\ndraft = AutoPeftModelForCausalLM.from_pretrained("{repo}").merge_and_unload()')
@@ -307,31 +347,34 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
     for p in problems:
         body.append(f"> **Warning:** published with publish.force=true although {p}.\n")
     body.append("## How to use\n")
-    # the snippet prompts the target as training and evaluation did (data.template of the run's last stage)
-    template = (pick(prev, "data.template") if prev else None) or cfg.data.get("template")
-    inputs = prompt_code(load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir), template)
-    stops = stop_strings((pick(prev, "generate.stop_strings") if prev else None) or cfg.generate.get("stop_strings"))
-    stop_args = f", stop_strings={stops!r}, tokenizer=tok" if stops else ""
-    body.append(f"transformers (assisted generation; `num_assistant_tokens` sets γ):\n\n```python\n"
-                f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                f'tok = AutoTokenizer.from_pretrained("{target_id}")\n'
-                f'target = AutoModelForCausalLM.from_pretrained("{target_id}")\n{load}\n'
-                f"draft.generation_config.num_assistant_tokens = {gamma}\n"
-                f'draft.generation_config.num_assistant_tokens_schedule = "constant"\n'
-                f"{inputs}\n"
-                f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False{stop_args})\n"
-                f"print(tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n")
-    if cfg.model.draft_vocab:
-        body.append(f"This project's decoder reads `{DRAFT_VOCAB_FILE}` (the {cfg.model.draft_vocab} tokens the "
-                    f"target's answers use most) and applies the draft's LM head to those rows only, as in the "
-                    f"evaluation above; output stays exactly the target's:\n\n```bash\n"
-                    f"python -m specdec --target {target_id} --draft {repo} --prompt \"Hello!\" --gamma {gamma}\n```\n")
-    body.append(f"vLLM:\n\n```python\nfrom vllm import LLM\n"
-                f'llm = LLM(model="{target_id}", speculative_config={{"model": "{repo}", "num_speculative_tokens": {gamma}}})\n```\n\n'
-                f"```bash\nvllm serve {target_id} --speculative-config '{{\"model\": \"{repo}\", \"num_speculative_tokens\": {gamma}}}'\n```\n")
-    body.append(f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {target_id} \\\n"
-                f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {repo} \\\n"
-                f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}\n```\n")
+    if src.kind == "head":
+        body += _head_usage(target_id, repo, gamma, read_json(src.weights / "config.json"))
+    else:
+        # the snippet prompts the target as training and evaluation did (data.template of the run's last stage)
+        template = (pick(prev, "data.template") if prev else None) or cfg.data.get("template")
+        inputs = prompt_code(load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir), template)
+        stops = stop_strings((pick(prev, "generate.stop_strings") if prev else None) or cfg.generate.get("stop_strings"))
+        stop_args = f", stop_strings={stops!r}, tokenizer=tok" if stops else ""
+        body.append(f"transformers (assisted generation; `num_assistant_tokens` sets γ):\n\n```python\n"
+                    f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                    f'tok = AutoTokenizer.from_pretrained("{target_id}")\n'
+                    f'target = AutoModelForCausalLM.from_pretrained("{target_id}")\n{load}\n'
+                    f"draft.generation_config.num_assistant_tokens = {gamma}\n"
+                    f'draft.generation_config.num_assistant_tokens_schedule = "constant"\n'
+                    f"{inputs}\n"
+                    f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False{stop_args})\n"
+                    f"print(tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n")
+        if cfg.model.draft_vocab:
+            body.append(f"This project's decoder reads `{DRAFT_VOCAB_FILE}` (the {cfg.model.draft_vocab} tokens the "
+                        f"target's answers use most) and applies the draft's LM head to those rows only, as in the "
+                        f"evaluation above; output stays exactly the target's:\n\n```bash\n"
+                        f"python -m specdec --target {target_id} --draft {repo} --prompt \"Hello!\" --gamma {gamma}\n```\n")
+        body.append(f"vLLM:\n\n```python\nfrom vllm import LLM\n"
+                    f'llm = LLM(model="{target_id}", speculative_config={{"model": "{repo}", "num_speculative_tokens": {gamma}}})\n```\n\n'
+                    f"```bash\nvllm serve {target_id} --speculative-config '{{\"model\": \"{repo}\", \"num_speculative_tokens\": {gamma}}}'\n```\n")
+        body.append(f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {target_id} \\\n"
+                    f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {repo} \\\n"
+                    f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}\n```\n")
     body.append("## Training\n")
     body.append(_training_section(cfg, prev, summary))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
@@ -395,7 +438,7 @@ def stage(cfg: DictConfig, src: DraftSource, card, tmp: Path) -> None:
 
     from distill.models import check_tokenizers, load_tokenizer
 
-    if src.kind == "model":
+    if src.kind in ("model", "head"):  # a head: its EAGLE-3 config.json and model.safetensors, as trained
         _copy(src.weights, tmp, MODEL_FILES)
     elif src.kind == "merge":
         merge_adapter(src.weights, cfg).save_pretrained(tmp)
@@ -406,11 +449,11 @@ def stage(cfg: DictConfig, src: DraftSource, card, tmp: Path) -> None:
     if not has_tok:  # the draft shares the target's tokenizer
         target_tok.save_pretrained(tmp)
     check_tokenizers(target_tok, AutoTokenizer.from_pretrained(tmp), "target", "staged draft")
-    if src.kind != "adapter" and not (tmp / "generation_config.json").exists():
+    if src.kind in ("model", "merge") and not (tmp / "generation_config.json").exists():
         gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp))
         gen.pad_token_id = target_tok.pad_token_id
         gen.save_pretrained(tmp)
-    ids = run_draft_vocab(cfg, len(target_tok), target_tok)
+    ids = run_draft_vocab(cfg, len(target_tok), target_tok) if src.kind != "head" else None  # a head carries d2t
     if ids is not None:  # the vocabulary the evaluation decoded with, for specdec users of the draft
         save_draft_vocab(tmp, ids, source=f"the {len(ids)} tokens the target's generated answers use most")
     card.save(tmp / "README.md")

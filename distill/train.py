@@ -235,12 +235,14 @@ def _done(summary: Optional[dict], cfg: DictConfig, out) -> bool:
                 and summary.get("time_budget_min") == cfg.train.time_budget_min and (out / "best" / "config.json").exists())
 
 
-def run(cfg: DictConfig) -> dict:
-    """Train (or finish training) the draft of runs/<run>; returns the summary (also distill/summary.json)."""
+def open_stage(cfg: DictConfig):
+    """The distill stage's start, shared by both kinds of student: validate, form the accelerate group, recover
+    from a kill, check the records. Returns (out dir, accelerator, records key, summary) — the summary of a
+    finished run (nothing left to do), else None."""
     from accelerate import Accelerator
 
     out = start_stage(cfg, "distill")
-    t, lc = cfg.train, cfg.loss
+    t = cfg.train
     if t.holdout < 1:
         raise ConfigError("train.holdout must be >= 1: α_TF on held-out records picks the best checkpoint")
     # cpu=True lets a CPU-only `accelerate launch --multi_gpu` (torchrun) group form over gloo
@@ -269,12 +271,25 @@ def run(cfg: DictConfig) -> dict:
     if t.resume == "auto" and _done(summary, cfg, out):
         log.info("distill: already done (step %s, best α_TF %.4f at step %s) -> %s", summary["step"],
                  summary["best_teacher_forced_acceptance"], summary["best_step"], out)
-        return summary
+        return out, acc, records_key, summary
     if acc.is_main_process and (t.resume == "never" or not ck.checkpoints(out)):
         if t.resume == "auto" and list(out.glob("diverged-*")):
             log.warning("distill: the last attempt diverged before any good checkpoint: training from scratch")
         ck.clear(out)  # a fresh start: no best/ or summary of an earlier attempt may survive
     acc.wait_for_everyone()
+    return out, acc, records_key, None
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train (or finish training) the draft of runs/<run>; returns the summary (also distill/summary.json)."""
+    if cfg.student.kind == "head":  # a feature head: its own recipe (distill/heads_train.py)
+        from distill.heads_train import run as run_head
+
+        return run_head(cfg)
+    out, acc, records_key, finished = open_stage(cfg)
+    if finished:
+        return finished
+    t, lc = cfg.train, cfg.loss
 
     mcfg = OmegaConf.merge(cfg.model, {"device": str(acc.device)})
     target, tok = load_target(mcfg)

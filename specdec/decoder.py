@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from .drafters import Drafter, ModelDrafter
+from .features import FeatureTaps
 from .kv import KVModel, logits_width, model_device
 from .metrics import SpecMetrics
 from .sampling import (
@@ -333,6 +334,17 @@ class SpeculativeDecoder:
         """Decode up to max_new_tokens per row. input_ids: ragged lists of ids, or [B, S] with an
         optional attention_mask (any padding side). Greedy output equals the target's own greedy
         output; sampled output has the target's distribution (same temperature/top_k/top_p)."""
+        # a feature drafter (HeadDrafter) reads the target's hidden states at its layers, recorded while it runs
+        taps = FeatureTaps(self.target, self.drafter.feature_layers) if self.drafter.feature_layers else None
+        try:
+            return self._generate(taps, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, seed,
+                                  stop_token_ids)
+        finally:
+            if taps is not None:
+                taps.close()
+
+    def _generate(self, taps, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, seed,
+                  stop_token_ids) -> DecodeResult:
         params = SamplingParams(temperature, top_k, top_p)
         policy = GammaPolicy(self.gamma, self.gamma_policy, self.gamma_min, self.gamma_max)
         stop = self.eos | _as_id_set(stop_token_ids)
@@ -356,6 +368,8 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         target.prefill(ids[:, :-1], mask[:, :-1])  # the last prompt token opens round one
         drafter.begin(ids[:, :-1], mask[:, :-1], self.vocab_size)
+        if taps is not None:
+            drafter.observe(taps.take() if ids.shape[1] > 1 else None)
         cur = ids[:, -1]  # [B] last token, not yet in either cache
         _sync(device)
         metrics.prefill_time_s = time.perf_counter() - t_start
@@ -372,6 +386,8 @@ class SpeculativeDecoder:
             k = draft.shape[1]
             t1 = time.perf_counter()
             n, nxt = verify_fn(target, torch.cat([cur[:, None], draft], dim=1), draft, q, params, gen)  # [B], [B]
+            if taps is not None:
+                drafter.observe(taps.take())  # [B, k+1, n·H]: the verified block's features
             block = torch.cat([draft, nxt[:, None]], dim=1).scatter(1, n[:, None], nxt[:, None])  # [B, k+1]
             host = torch.cat([n[:, None], block], dim=1).tolist()  # the round's one host sync
             t2 = time.perf_counter()

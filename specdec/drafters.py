@@ -12,6 +12,9 @@ One small interface (``Drafter``), driven by the decoder once per round:
         -> draft_tokens [B, k'], draft_probs [B, k', V] | None      (k' <= k)
     rollback(n_accepted, n_host)                   # forget proposals after the accepted prefix
     select_rows(rows)                              # finished rows leave the batch
+    observe(features)                              # only if feature_layers: the target's hidden states
+                                                   # at those layers, [B, q, n·H], after the prefill
+                                                   # (q = context columns) and each verify pass (q = k+1)
 
 ``draft_probs`` is None for a deterministic proposal (argmax, or a lookup): the acceptance test
 then uses the one-hot q, which keeps sampling lossless.
@@ -116,6 +119,11 @@ class Drafter:
 
     vocab_width: int | None = None  # logit columns of a model drafter (None: proposes token ids only)
     samples: bool = False  # True when proposals are drawn from q under sampling (else deterministic)
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states the decoder hands to observe()
+
+    def observe(self, features: torch.Tensor | None) -> None:
+        """The target's features of its last forward pass (see the module docstring); None for an empty
+        prefill. Drafters without feature_layers are never called."""
 
     def begin(self, context_ids: torch.Tensor, context_mask: torch.Tensor, vocab_size: int) -> None:
         raise NotImplementedError

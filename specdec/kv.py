@@ -291,6 +291,11 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
 
 
+# Feature taps (specdec.features.FeatureTaps): model -> an object whose record(i, h) receives the residual
+# stream entering decoder layer i; the lean forward calls no layer module, so forward hooks cannot see it.
+FEATURE_TAPS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
 def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, cache, keep: int,
                 cols: torch.Tensor | None = None):
     """Final hidden states [B, keep, H] of the last `keep` of tokens [B, q], appending to `cache`.
@@ -313,7 +318,10 @@ def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torc
         diag = torch.zeros_like(mask)
         diag[:, past:] = torch.eye(q, dtype=torch.bool, device=h.device)
         mask = ((cols[:, None, :] & mask) | diag)[:, None]
+    taps = FEATURE_TAPS.get(model)
     for i, layer in enumerate(body.layers):
+        if taps is not None:
+            taps.record(i, h)
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
         qkv = _fused_qkv(attn)

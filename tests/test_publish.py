@@ -368,3 +368,69 @@ def test_draft_vocabulary_travels_with_the_draft(tmp_path, run):
     assert "draft_vocab.json" in card and "python -m specdec --target" in card
     publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-draft"))  # model.draft_vocab=0: no file
     assert load_draft_vocab(folder) is None
+
+
+# -- a feature head (student=head): the EAGLE-3 checkpoint vLLM and SGLang load ------------------
+# What their EAGLE-3 loaders read (vLLM vllm/model_executor/models/llama_eagle3.py, SGLang
+# python/sglang/srt/models/llama_eagle3.py): the layer as midlayer.* (vLLM renames it layers.0.*; both
+# stack q/k/v and gate/up themselves), fc.weight [H, 3·H_target], norm.weight, lm_head.weight [draft vocab, H],
+# d2t (draft id -> target id offsets) and t2d (skipped by both); no embed_tokens (shared from the target).
+EAGLE3_TENSORS = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+}
+
+
+def test_head_is_staged_as_an_eagle3_checkpoint(tmp_path, run):
+    from safetensors.torch import load_file
+
+    from distill.tiny import tiny_model
+    from specdec.heads import FeatureHead, load_head
+
+    target = tiny_model(seed=0, num_layers=8)  # 8 layers: EAGLE-3's own choice, the states entering 2, 4 and 5
+    ids = torch.arange(3, 131)
+    head = FeatureHead.from_target(target, vocab_ids=ids)
+    best = run / "distill" / "best"
+    shutil.rmtree(best)
+    head.save_pretrained(best)
+    load_tokenizer("tiny").save_pretrained(best)
+    report = _report()
+    for r in report["rows"]:
+        r["kind"] = "head" if r["name"] == "best" else r["kind"]
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    out = publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-eagle3"))
+    folder = Path(out["folder"])
+    assert out["kind"] == "head"
+    assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "README.md"}
+    assert "generation_config.json" not in {p.name for p in folder.iterdir()}
+
+    cfg = read_json(folder / "config.json")
+    H = target.config.hidden_size
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == H and cfg["target_hidden_size"] == H
+    assert cfg["draft_vocab_size"] == 128 and cfg["vocab_size"] == 259 and cfg["tie_word_embeddings"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: the state entering layer j
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}  # SGLang adds 1
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_theta", "max_position_embeddings", "hidden_act"):
+        assert key in cfg, key
+
+    t = load_file(str(folder / "model.safetensors"))
+    assert set(t) == EAGLE3_TENSORS
+    heads, kv, D = target.config.num_attention_heads, target.config.num_key_value_heads, target.config.head_dim
+    assert t["fc.weight"].shape == (H, 3 * H)
+    assert t["midlayer.self_attn.q_proj.weight"].shape == (heads * D, 2 * H)  # [embedding, fused feature]
+    assert t["midlayer.self_attn.k_proj.weight"].shape == (kv * D, 2 * H)
+    assert t["lm_head.weight"].shape == (128, H)
+    assert t["d2t"].dtype == torch.int64 and torch.equal(torch.arange(128) + t["d2t"], ids)  # vLLM: base + d2t
+    assert t["t2d"].dtype == torch.bool and t["t2d"].sum() == 128
+    assert torch.equal(load_head(folder, target).lm_head.weight, head.lm_head.weight)
+
+    text = (folder / "README.md").read_text()
+    assert 'speculative_config={"method": "eagle3", "model": "me/tiny-eagle3", "num_speculative_tokens": 4}' in text
+    assert "--speculative-algorithm EAGLE3 --speculative-draft-model-path me/tiny-eagle3" in text
+    assert "assistant_model" not in text and "may load in" not in text
+    assert "| humaneval | distilled draft (best) | greedy | 1 | 4 | 0.720 |" in text
