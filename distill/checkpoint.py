@@ -89,9 +89,12 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 
 def recover(out: Path) -> None:
-    """Undo what a kill during a save can leave: temp dirs, and a best/ parked as .best.old."""
+    """Undo what a kill during a save can leave: temp dirs and files, and a best/ parked as .best.old."""
     for p in out.glob(".*.tmp"):
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:  # e.g. .summary.json.<random>.tmp from an atomic JSON write
+            p.unlink(missing_ok=True)
     for p in out.glob(".*.old"):
         final = out / p.name[1:-4]
         if not final.exists():
