@@ -212,6 +212,12 @@ class ModelDrafter(Drafter):
             logits = self._next_logits(tokens, valid)  # [B, V]
         else:
             logits = self._next_logits(last_tokens[:, None])  # [B, V]
+        self._proposal, q = self._unroll(logits, k, params, generator, out_device)  # [B, k], [B, k, V] | None
+        return self._proposal.to(out_device), q
+
+    def _unroll(self, logits, k, params, generator, out_device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k proposals from the logits after the last fed token, feeding proposals 1..k-1 to the cache."""
+        kv = self.kv
         ids = None if self._head is None else self.vocab.to(kv.device)  # subset column -> token id
         use_q = self.samples and not params.greedy
         tokens, probs = [], []
@@ -228,8 +234,7 @@ class ModelDrafter(Drafter):
                 pick = logits.argmax(-1)
             tokens.append(pick if ids is None else ids[pick])
         self._k = k
-        self._proposal = torch.stack(tokens, dim=1)  # [B, k]
-        return self._proposal.to(out_device), (torch.stack(probs, dim=1) if use_q else None)  # [B, k], [B, k, V]
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if use_q else None)  # [B, k], [B, k, V]
 
     def rollback(self, n_accepted, n_host):
         k = self._k

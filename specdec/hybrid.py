@@ -19,7 +19,6 @@ from typing import Sequence
 import torch
 
 from .drafters import ModelDrafter, PromptLookupDrafter
-from .sampling import logits_to_probs, sample
 
 
 class HybridDrafter(ModelDrafter):
@@ -76,23 +75,8 @@ class HybridDrafter(ModelDrafter):
             valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in self.pending], device=kv.device)
         self.pending = [[] for _ in self.pending]
         logits = self._next_logits(fed, valid)  # [B, V] or [B, V'] over the draft vocabulary
-        ids = None if self._head is None else self.vocab.to(kv.device)
-        use_q = self.samples and not params.greedy
-        tokens, probs = [], []
-        for i in range(k):
-            if i > 0:
-                logits = self._next_logits(tokens[-1][:, None])  # proposals 1..k-1 go into the cache
-            if use_q:
-                q = logits_to_probs(logits, params).to(out_device)
-                pick = sample(q, generator).to(kv.device)
-                if ids is not None:
-                    q = q.new_zeros(q.shape[0], self._vocab_size).index_copy_(1, ids.to(out_device), q)
-                probs.append(q)
-            else:
-                pick = logits.argmax(-1)
-            tokens.append(pick if ids is None else ids[pick])
-        self._k = k
-        return torch.stack(tokens, dim=1).to(out_device), (torch.stack(probs, dim=1) if use_q else None)
+        tokens, q = self._unroll(logits, k, params, generator, out_device)
+        return tokens.to(out_device), q
 
     def rollback(self, n_accepted, n_host):
         k = len(self._block[0]) if self._block else 0
