@@ -97,6 +97,16 @@ class Output:
 # ---------------------------------------------------------------- settings, seeds, items
 
 
+def sampling_identity(cfg: DictConfig) -> dict:
+    """The sampling settings a record was answered with (part of its identity)."""
+    g = cfg.generate
+    sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k),
+                "max_new_tokens": int(g.max_new_tokens), "num_samples": int(g.num_samples), "seed": int(cfg.seed)}
+    if g.get("stop_strings"):  # only when set: identities written before the field existed still match
+        sampling["stop_strings"] = list(g.stop_strings)
+    return sampling
+
+
 def identity(cfg: DictConfig, tok: Any) -> dict:
     """Everything that decides what a record holds; shards made with another identity are refused."""
     g, m = cfg.generate, cfg.model
@@ -113,10 +123,7 @@ def identity(cfg: DictConfig, tok: Any) -> dict:
         data.pop("skip", None)  # the default: identities written before the field existed still match
     if data.get("template") in (None, "chat"):
         data.pop("template", None)  # the default: identities written before the field existed still match
-    sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k),
-                "max_new_tokens": int(g.max_new_tokens), "num_samples": int(g.num_samples), "seed": int(cfg.seed)}
-    if g.get("stop_strings"):  # only when set: identities written before the field existed still match
-        sampling["stop_strings"] = list(g.stop_strings)
+    sampling = sampling_identity(cfg)
     model = {"target": m.target, "revision": m.revision,
              "dtype": str(resolve_dtype(m.dtype, resolve_device(m.device))).replace("torch.", "")}
     if g.get("mixed_precision", "no") != "no":  # the default: identities written before the field still match
@@ -382,9 +389,7 @@ def check_records_owner(cfg: DictConfig, tok: Any = None) -> None:
     out = Path(cfg.runs_root) / cfg.run_name / "generate"
     want = _owner(identity(cfg, tok) if tok is not None else {
         "model": {"target": cfg.model.target, "revision": cfg.model.revision},
-        "sampling": {"temperature": float(cfg.generate.temperature), "top_p": float(cfg.generate.top_p),
-                     "top_k": int(cfg.generate.top_k), "max_new_tokens": int(cfg.generate.max_new_tokens),
-                     "num_samples": int(cfg.generate.num_samples), "seed": int(cfg.seed)}}, tok is not None)
+        "sampling": sampling_identity(cfg)}, tok is not None)
     for f in shard_paths(out) if out.is_dir() else []:
         have = shard_identity(f)
         if not have:
