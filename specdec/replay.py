@@ -2,7 +2,7 @@
 
     from specdec.replay import replay, model_proposals, lookup_proposals
     y = autoregressive_generate(target, [prompt], max_new_tokens=128).tokens[0]   # the target's answer
-    m = replay(y, model_proposals(*draft_argmax(draft, prompt, y)), gamma=2, max_new_tokens=128, stop={eos})
+    m = replay(y, model_proposals(draft_argmax(draft, prompt, y)[0]), gamma=2, max_new_tokens=128, stop={eos})
     m.acceptance_rate, m.tokens_per_target_call, m.target_calls                    # as decoding would count
 
 Why it is exact: under greedy decoding every accepted prefix equals the target's own greedy answer y,
@@ -89,7 +89,7 @@ def draft_argmax(model: torch.nn.Module, prompt: Sequence[int], y: Sequence[int]
     return pred.tolist(), gap.tolist()
 
 
-def model_proposals(pred: Sequence[int], gap: Sequence[float] | None = None) -> Proposals:
+def model_proposals(pred: Sequence[int]) -> Proposals:
     """Proposals of a model drafter from its teacher-forced argmax ``pred`` (see ``draft_argmax``)."""
     def propose(e: int, k: int) -> list[int]:
         return list(pred[e : e + k]) + [-1] * max(0, e + k - len(pred))  # past y's end: never tested
