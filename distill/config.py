@@ -194,6 +194,9 @@ class EvaluateConfig:
     # at timed_max_new_tokens (null: max_new_tokens); sampled rows and batch sizes > 1 are measured on them
     timed_prompts: int = 4
     timed_max_new_tokens: Optional[int] = 64
+    # γ each candidate is timed at (null: the largest of gammas). The costs of a timed run model the
+    # speedup at every γ (a verify call's cost is linear in its proposals); timed γ also get a measured one
+    timed_gammas: Optional[list[int]] = None
     repeats: int = 3  # timed runs per decoder (median); fewer than 3 flags every speedup as noise
     warmup: int = 1  # untimed runs first; 0 flags every speedup as noise
     reference_batch_size: int = 16  # the target's reference answers are decoded in batches of this size
@@ -260,6 +263,8 @@ CHOICES = {
 }
 STAGES = ("generate", "distill", "evaluate", "publish")
 REFERENCES = ("target", "init", "prompt_lookup", "hybrid", "hf_assisted")
+HEAD_STAGE = "distill-head"  # runs/<run>/distill-head: the head trained beside the standalone draft (head.also)
+DRAFT_KINDS = ("model", "head")  # report rows of a trained draft: a standalone model or a feature head
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -387,6 +392,8 @@ def validate(cfg: DictConfig | Config) -> None:
     need(all(b >= 1 for b in e.batch_sizes), "evaluate.batch_sizes must be >= 1")
     need(e.max_prompt_tokens >= 1, "evaluate.max_prompt_tokens must be >= 1")
     need(e.repeats >= 1 and e.warmup >= 0, "evaluate.repeats must be >= 1 and evaluate.warmup >= 0")
+    need(not e.get("timed_gammas") or set(e.timed_gammas) <= set(e.gammas),
+         f"evaluate.timed_gammas={list(e.get('timed_gammas') or [])} must be among evaluate.gammas={list(e.gammas)}")
     need(e.get("timed_prompts", 0) >= 0, "evaluate.timed_prompts must be >= 0 (0: replay only, no timing)")
     need(e.get("timed_max_new_tokens") is None or e.timed_max_new_tokens >= 1,
          "evaluate.timed_max_new_tokens must be >= 1 (or null: evaluate.max_new_tokens)")

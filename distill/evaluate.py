@@ -47,23 +47,21 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from distill import report as report_mod
-from distill.config import REFERENCES, ConfigError, run_dir
-from distill.data import encode_prompt, load_prompts, prompt_token_limit
+from distill.config import DRAFT_KINDS, HEAD_STAGE, REFERENCES, ConfigError, run_dir
 from distill.doctor import diagnose, noise_flags
+from distill.eval_rows import decoded_row, hf_assisted_row, replayed_row, sampled_row, with_costs, with_timing
+from distill.evalsets import EvalSet, Prompt, load_eval_sets, round_robin  # noqa: F401 (Prompt: re-exported)
 from distill.generate import check_records_owner, record_ids
 from distill.measure import (
     FLOAT_TIE_GAP,
-    Timed,
+    Answers,
     costs_from,
     greedy_check,
-    measured_speedup,
-    modeled_speedup,
-    reference_answers,
+    head_teacher_forced,
     replay_check,
     teacher_forced,
     time_decoders,
 )
-from distill.templates import CHAT, effective_template
 from distill.models import (
     check_tokenizers,
     load_draft,
@@ -73,13 +71,16 @@ from distill.models import (
     run_draft_vocab,
     shared_vocab_size,
 )
+from distill.templates import CHAT
 from distill.utils import atomic_write_json, cli, start_stage
-from specdec.decoder import DecodeResult, SpeculativeDecoder, autoregressive_generate
+from specdec.decoder import SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.kv import KVModel, logits_width
-from specdec.metrics import SpecMetrics, bootstrap_ci, predicted_speedup
+from specdec.head_drafter import HeadDrafter, head_replay_proposals
+from specdec.heads import is_head_dir, load_head
 from specdec.hybrid import HybridDrafter
-from specdec.replay import draft_argmax, hybrid_proposals, lookup_proposals, model_proposals, near_ties, replay
+from specdec.kv import KVModel
+from specdec.metrics import bootstrap_ci
+from specdec.replay import Proposals, draft_argmax, hybrid_proposals, lookup_proposals, model_proposals, near_ties, replay
 
 log = logging.getLogger(__name__)
 EXIT_GREEDY_MISMATCH = 1
@@ -87,48 +88,6 @@ EXIT_GREEDY_MISMATCH = 1
 
 class GreedyMismatch(RuntimeError):
     """Speculative greedy tokens (or replayed counts) differed from the target's own (not a float tie)."""
-
-
-@dataclass
-class Prompt:
-    id: str
-    category: str
-    ids: list[int]
-
-
-def round_robin(prompts: list[Prompt], n: Optional[int]) -> list[int]:
-    """Indices of the first n prompts taken in turn from each category (all when n is None or larger)."""
-    if n is None or n >= len(prompts):
-        return list(range(len(prompts)))
-    by_cat: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_cat.setdefault(p.category, []).append(i)
-    picked: list[int] = []
-    while len(picked) < n:
-        for idx in by_cat.values():
-            if idx and len(picked) < n:
-                picked.append(idx.pop(0))
-    return picked
-
-
-@dataclass
-class EvalSet:
-    name: str
-    prompts: list[Prompt]
-    skipped: int  # prompts longer than the prompt limit
-    template: str = "chat"  # how its prompts were rendered (distill.templates.effective_template)
-
-    def batches(self, size: int) -> list[list[int]]:
-        """Prompt indices in batches of `size`, never mixing categories (first-appearance order)."""
-        cats = list(dict.fromkeys(p.category for p in self.prompts))
-        out = []
-        for c in cats:
-            idx = [i for i, p in enumerate(self.prompts) if p.category == c]
-            out += [idx[i : i + size] for i in range(0, len(idx), size)]
-        return out
-
-    def subset(self, idx: list[int]) -> "EvalSet":
-        return EvalSet(self.name, [self.prompts[i] for i in idx], 0, self.template)
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -144,11 +103,16 @@ def resolve_drafts(cfg: DictConfig) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     for spec in cfg.evaluate.drafts:
         spec = str(spec)
-        if spec == "best":
-            if not (ddir / "best").is_dir():
-                raise ConfigError(f"evaluate.drafts has 'best' but {ddir / 'best'} does not exist: run the distill "
-                                  "stage first, or name drafts: evaluate.drafts=[<dir>] (or [] for references only)")
-            paths = [str(ddir / "best")]
+        if spec in ("best", "head"):
+            best = (ddir if spec == "best" else Path(run_dir(cfg)) / HEAD_STAGE) / "best"
+            if not best.is_dir():
+                how = "" if spec == "best" else " with head.also=true (or student=head run_name=<another run>)"
+                raise ConfigError(f"evaluate.drafts has {spec!r} but {best} does not exist: run the distill stage "
+                                  f"first{how}, or name drafts: evaluate.drafts=[<dir>] (or [] for references only)")
+            if spec == "head":  # the head trained beside the standalone draft keeps its own name
+                found.append(("head", str(best)))
+                continue
+            paths = [str(best)]
         elif spec == "checkpoints" or glob.has_magic(spec):
             pattern = str(ddir / "checkpoint-*") if spec == "checkpoints" else spec
             paths = sorted((p for p in glob.glob(pattern) if os.path.isdir(p)), key=_step)
@@ -194,177 +158,6 @@ def _load_target(cfg: DictConfig):
                           "hub id, or model=smollm2 (embedded)") from e
 
 
-def load_eval_sets(cfg: DictConfig, tok, target) -> list[EvalSet]:
-    """Each eval_data set encoded for the target; prompts_per_set picks round-robin over categories. A
-    turn-2 set (MT-Bench second turns) puts the target's own greedy answer to turn 1 before turn 2."""
-    e = cfg.evaluate
-    limit = prompt_token_limit(e.max_prompt_tokens, target.config, e.max_new_tokens)
-    eos, pad, vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
-    sets = []
-    for name, dcfg in cfg.eval_data.items():
-        ds = list(load_prompts(dcfg))
-        template = dcfg.get("template") or cfg.data.get("template")  # null: the template the draft trained with
-        if dcfg.get("turn", 1) == 2:
-            ds = [r for r in ds if len(r["messages"]) >= 2]
-            firsts = [encode_prompt(tok, r["messages"][:-1], template=template) for r in ds]
-            log.info("eval_data.%s: the target answers %d first turns", name, len(ds))
-            answers = reference_answers(target, firsts, e.max_new_tokens, 0.0, 1.0, e.seed, eos, pad, vocab,
-                                        e.reference_batch_size)
-            ds = [{**r, "messages": r["messages"][:-1] + [{"role": "assistant", "content": tok.decode(
-                [t for t in a if t != eos], skip_special_tokens=True)}] + r["messages"][-1:]}
-                  for r, a in zip(ds, answers)]
-        prompts, skipped = [], 0
-        for row in ds:
-            ids = encode_prompt(tok, row["messages"], template=template)
-            if len(ids) > limit:
-                skipped += 1
-                continue
-            prompts.append(Prompt(row["id"], row["category"] or name, ids))
-        if not prompts:
-            raise ConfigError(f"eval_data.{name}: all {len(ds)} prompts are longer than {limit} tokens; raise "
-                              "evaluate.max_prompt_tokens or lower evaluate.max_new_tokens")
-        prompts = [prompts[i] for i in round_robin(prompts, e.prompts_per_set)]
-        if skipped:
-            log.warning("eval_data.%s: skipped %d prompts longer than %d tokens", name, skipped, limit)
-        sets.append(EvalSet(name, prompts, skipped, effective_template(tok, template)))
-    return sets
-
-
-# -- rows -----------------------------------------------------------------------------------------
-def _ci_of(parts: list[SpecMetrics], num, den) -> Optional[list[float]]:
-    return bootstrap_ci([float(num(m)) for m in parts], [float(den(m)) for m in parts])
-
-
-def alpha_tau(parts: list[SpecMetrics]) -> dict[str, Any]:
-    """α and τ of merged per-prompt (or per-batch) counters, with bootstrap intervals over the parts."""
-    m = SpecMetrics.merge(parts)
-    return {"acceptance_rate": m.acceptance_rate, "tokens_per_target_call": m.tokens_per_target_call,
-            "acceptance_rate_ci": _ci_of(parts, lambda x: x.accepted, lambda x: x.accepted + x.rejections),
-            "tokens_per_target_call_ci": _ci_of(parts, lambda x: x.emitted, lambda x: x.row_rounds)}
-
-
-def counts_fields(m: SpecMetrics, parts: list[SpecMetrics], cats: dict[str, list[SpecMetrics]]) -> dict[str, Any]:
-    """The fields every speculative row takes from its counters (decoded or replayed)."""
-    d = m.to_dict()
-    return {
-        **alpha_tau(parts), "gamma": m.gamma, "gamma_policy": m.gamma_policy, "mean_gamma": d["mean_gamma"],
-        **{k: d[k] for k in ("draft_acceptance_ratio", "per_position_acceptance", "expected_tokens_per_call")},
-        "tokens": m.emitted, "accepted_length_histogram": d["accepted_length_histogram"],
-        "by_category": {c: {"acceptance_rate": SpecMetrics.merge(ps).acceptance_rate,
-                            "tokens_per_target_call": SpecMetrics.merge(ps).tokens_per_target_call,
-                            "prompts": sum(x.batch_size for x in ps)} for c, ps in cats.items()},
-        "counters": {k: d[k] for k in ("target_calls", "row_rounds", "draft_calls", "proposed", "accepted",
-                                       "rejections", "emitted", "tried_at", "accepted_at")},
-    }
-
-
-def decoded_row(timed: Timed, base: Timed, es: EvalSet, bs: int, baseline_step: Optional[float], **info) -> dict:
-    """A row from decoding the timed subset: counters of the last repeat, median wall times."""
-    m = timed.metrics(bs)
-    m.baseline_target_step_s = baseline_step
-    parts = [r.metrics for r in timed.results]
-    cats: dict[str, list[SpecMetrics]] = {}
-    for b, res in zip(timed.batches, timed.results):
-        cats.setdefault(es.prompts[b[0]].category, []).append(res.metrics)
-    d = m.to_dict()
-    sp = measured_speedup(base, timed)
-    return {
-        **info, "eval_set": es.name, "temperature": m.temperature, "top_p": m.top_p, "batch_size": m.batch_size,
-        "draft_sampled": m.draft_sampled, "prompts": len(es.prompts), "timed_prompts": len(es.prompts),
-        "scored_by": "decoding", **counts_fields(m, parts, cats),
-        **{k: d[k] for k in ("cost_ratio", "predicted_speedup", "draft_step_s", "target_step_s")},
-        "teacher_forced_acceptance": None, "teacher_forced_acceptance_ci": None,
-        "tokens_per_s": m.emitted / sp["wall_time_s"] if sp["wall_time_s"] else None, **sp,
-        "draft_time_s": m.draft_time_s, "target_time_s": m.target_time_s, "prefill_time_s": m.prefill_time_s,
-        "verify_call_s": m.target_time_s / m.target_calls if m.target_calls else None,
-        "modeled_speedup": None, "modeled_speedup_ci": None, "modeled_speedup_timed": None,
-        "greedy_identical": None, "float_ties": [], "greedy_mismatches": [], "replay_check": None, "error": None,
-    }
-
-
-def replayed_row(parts: list[SpecMetrics], es: EvalSet, **info) -> dict:
-    """A greedy batch-1 row from replay over every prompt of the set; timing fields stay empty."""
-    m = SpecMetrics.merge(parts)
-    cats: dict[str, list[SpecMetrics]] = {}
-    for p, part in zip(es.prompts, parts):
-        cats.setdefault(p.category, []).append(part)
-    empty = ("cost_ratio", "predicted_speedup", "draft_step_s", "target_step_s", "tokens_per_s", "speedup",
-             "speedup_spread", "speedup_ci", "wall_time_s", "wall_times_s", "draft_time_s", "target_time_s",
-             "prefill_time_s", "verify_call_s", "modeled_speedup", "modeled_speedup_ci", "modeled_speedup_timed",
-             "greedy_identical", "replay_check", "teacher_forced_acceptance", "teacher_forced_acceptance_ci")
-    return {**info, "eval_set": es.name, "temperature": 0.0, "top_p": 1.0, "batch_size": 1, "draft_sampled": False,
-            "prompts": len(es.prompts), "timed_prompts": 0, "scored_by": "replay", **counts_fields(m, parts, cats),
-            **dict.fromkeys(empty), "float_ties": [], "greedy_mismatches": [], "error": None}
-
-
-def with_timing(row: dict, dec: dict, costs, prompt_tokens: list[int], parts: list[SpecMetrics],
-                timed_tokens: list[int], timed_parts: list[SpecMetrics]) -> dict:
-    """A replayed row plus what decoding the timed subset measured: costs, speedups, checks."""
-    keep = ("cost_ratio", "draft_step_s", "target_step_s", "tokens_per_s", "speedup", "speedup_spread", "speedup_ci",
-            "wall_time_s", "wall_times_s", "draft_time_s", "target_time_s", "prefill_time_s", "verify_call_s",
-            "greedy_identical", "float_ties", "greedy_mismatches", "timed_prompts")
-    row = {**row, **{k: dec[k] for k in keep}}
-    a, g, c = row["acceptance_rate"], row["mean_gamma"], row["cost_ratio"]
-    row["predicted_speedup"] = predicted_speedup(a, g, c) if None not in (a, g, c) else None
-    if costs is not None:
-        full = modeled_speedup(costs, prompt_tokens, parts)
-        row.update(modeled_speedup=full["value"], modeled_speedup_ci=full["ci"],
-                   modeled_speedup_timed=modeled_speedup(costs, timed_tokens, timed_parts)["value"])
-    return row
-
-
-def _hf_generate(target, ids: list[int], max_new: int, eos: int, pad: int, assistant=None) -> list[int]:
-    x = torch.tensor([ids], device=next(target.parameters()).device)
-    out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                          temperature=None, top_p=None, top_k=None, assistant_model=assistant,
-                          eos_token_id=eos, pad_token_id=pad)
-    return out[0, x.shape[1]:].tolist()
-
-
-@torch.inference_mode()
-def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, gamma: int, max_new: int, e,
-                    eos: int, pad: int) -> dict:
-    """transformers assisted generation (batch 1, greedy, constant γ) vs transformers' plain generate, on the
-    timed subset."""
-    def decoder(assistant):
-        def dec(batch, seed):
-            toks = _hf_generate(target, batch[0], max_new, eos, pad, assistant)
-            return DecodeResult([toks], ["eos" if eos in toks else "length"])
-        return dec
-
-    def skipped(why: str) -> dict:  # a reference row that could not be measured: the report says why
-        log.warning("hf_assisted on %s skipped: %s", es.name, why)
-        return {"name": "hf_assisted", "kind": "hf_assisted", "draft": path, "assistant": name, "eval_set": es.name,
-                "error": f"skipped: {why}", "greedy_identical": None}
-
-    rows = {logits_width(target), logits_width(draft)}
-    if len(rows) > 1:  # transformers takes a vocabulary size that differs from the target's for another tokenizer
-        return skipped(f"the draft's embedding has {logits_width(draft)} rows and the target's {logits_width(target)} "
-                       "(a padded vocabulary over the same tokenizer), which transformers' assisted generation "
-                       "refuses as different tokenizers; the speculative rows above decode this draft as usual")
-    gc = copy.deepcopy(draft.generation_config)
-    draft.generation_config.num_assistant_tokens = gamma
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0  # never stop a draft block early
-    try:
-        plain, run = time_decoders([decoder(None), decoder(draft)], [p.ids for p in es.prompts], es.batches(1),
-                                   e.warmup, e.repeats, e.seed)
-    except Exception as err:  # a reference from another library: its failure must not cost the report
-        return skipped(f"transformers' assisted generation failed ({type(err).__name__}: "
-                       f"{str(err).splitlines()[0] if str(err) else ''})")
-    finally:
-        draft.generation_config = gc
-    sp = measured_speedup(plain, run)
-    emitted, plain_emitted = (sum(len(r.tokens[0]) for r in x.results) for x in (run, plain))
-    return {"name": "hf_assisted", "kind": "hf_assisted", "draft": path, "assistant": name, "eval_set": es.name,
-            "temperature": 0.0, "top_p": 1.0, "gamma": gamma, "gamma_policy": "constant", "batch_size": 1,
-            "draft_sampled": False, "prompts": len(es.prompts), "timed_prompts": len(es.prompts),
-            "scored_by": "decoding", "tokens_per_s": emitted / sp["wall_time_s"], **sp,
-            "speedup_baseline": "transformers generate() without an assistant",
-            "baseline_tokens_per_s": plain_emitted / (sp["wall_time_s"] * sp["speedup"]),
-            "greedy_identical": None, "error": None}
-
-
 # -- the stage ------------------------------------------------------------------------------------
 def _candidates(cfg: DictConfig, tok) -> list[dict]:
     """Model drafts to evaluate, tokenizers checked up front (a mismatch stops the run before work), and
@@ -374,6 +167,9 @@ def _candidates(cfg: DictConfig, tok) -> list[dict]:
     out = []
     for name, path in resolve_drafts(cfg):
         c = {"name": name, "kind": "model", "draft": path, "error": None}
+        if is_head_dir(path):  # a feature head: its shape is checked against the target when loaded
+            out.append({**c, "kind": "head"})
+            continue
         try:
             dtok = load_tokenizer(path, cache_dir=cfg.model.cache_dir)
         except Exception as e:
@@ -397,6 +193,8 @@ def _load_candidate(cfg: DictConfig, c: dict, target, tok):
     m = cfg.model
     if c["name"] == "init" and c["draft"] is None:
         return load_draft(m, target, tok)
+    if c["kind"] == "head":
+        return load_head(c["draft"], target)
     return load_model(c["draft"], m.dtype, m.device, None, m.trust_remote_code, m.cache_dir, "evaluate.drafts")
 
 
@@ -433,25 +231,58 @@ def _current_report(out: Path, fp: dict[str, Any]) -> Optional[dict]:
 class _Stage:
     """What one evaluation run holds: the target, the candidates and their models, the settings."""
 
-    def __init__(self, cfg: DictConfig, target, tok, ok: list[dict], models: dict, draft_vocab, bar):
+    def __init__(self, cfg: DictConfig, target, tok, ok: list[dict], models: dict, draft_vocab, answers: Answers, bar):
         self.cfg, self.e, self.target, self.ok, self.models, self.draft_vocab, self.bar = (
             cfg, cfg.evaluate, target, ok, models, draft_vocab, bar)
         self.eos, self.pad, self.vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
+        e, self.answers = self.e, answers
+        # the γ each candidate is timed at: the costs of the largest model every other (measure.Costs)
+        self.timed_gammas = sorted(set(e.timed_gammas or [max(e.gammas)]))
+        self.depth = max(e.gammas) * (2 if e.gamma_policy == "adaptive" else 1)  # the longest block replay asks
 
     def target_decode(self, temp: float, max_new: int):
         return lambda batch, seed: autoregressive_generate(
             self.target, batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p, seed=seed,
             eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
 
-    def spec_decode(self, c: dict, gamma: int, temp: float, max_new: int):
+    def drafter(self, c: dict):
         model = self.models[c["name"]]
-        drafter = (PromptLookupDrafter() if c["kind"] == "prompt_lookup" else
-                   HybridDrafter(model, vocab=self.draft_vocab) if c["kind"] == "hybrid" else
-                   ModelDrafter(model, vocab=self.draft_vocab))
-        dec = SpeculativeDecoder(self.target, drafter, gamma=gamma, gamma_policy=self.e.gamma_policy,
+        return (PromptLookupDrafter() if c["kind"] == "prompt_lookup" else
+                HybridDrafter(model, vocab=self.draft_vocab) if c["kind"] == "hybrid" else
+                HeadDrafter(model) if c["kind"] == "head" else ModelDrafter(model, vocab=self.draft_vocab))
+
+    def spec_decode(self, c: dict, gamma: int, temp: float, max_new: int):
+        dec = SpeculativeDecoder(self.target, self.drafter(c), gamma=gamma, gamma_policy=self.e.gamma_policy,
                                  eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
         return lambda batch, seed: dec.generate(batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p,
                                                 seed=seed)
+
+    def proposals(self, prompts: list[list[int]], ids: list[str], y: list[list[int]]):
+        """Per candidate: its greedy proposals for every prompt (replay's input), the prompts where a
+        near-tie argmax could make decoding differ, and the first proposal's greedy agreement."""
+        proposals, agree, tie_prompts = {}, {}, {}
+        tfs: dict[int, list] = {}  # id(model) -> its teacher-forced argmax and gaps (a hybrid reuses its draft's)
+        for c in self.ok:
+            name, model = c["name"], self.models[c["name"]]
+            if c["kind"] == "prompt_lookup":
+                proposals[name] = [lookup_proposals(p, a) for p, a in zip(prompts, y)]
+                continue
+            if c["kind"] == "head":
+                got = [head_replay_proposals(model, self.target, p, a, self.depth) for p, a in zip(prompts, y)]
+                proposals[name] = [_block_proposals(props.tolist()) for props, _ in got]
+                tie_prompts[name] = {pid for pid, (_, gap) in zip(ids, got) if bool((gap < FLOAT_TIE_GAP).any())}
+                agree[name] = [(int((props[:, 0] == torch.tensor(a)).sum()), len(a)) for (props, _), a in zip(got, y)]
+                continue
+            if id(model) not in tfs:
+                tfs[id(model)] = [draft_argmax(model, p, a, c["vocab"], self.draft_vocab) for p, a in zip(prompts, y)]
+            tf = tfs[id(model)]
+            tie_prompts[name] = {pid for pid, (_, gap) in zip(ids, tf) if near_ties(gap, FLOAT_TIE_GAP)}
+            if c["kind"] == "hybrid":
+                proposals[name] = [hybrid_proposals(p, a, pred) for p, a, (pred, _) in zip(prompts, y, tf)]
+                continue
+            proposals[name] = [model_proposals(pred) for pred, _ in tf]
+            agree[name] = [(sum(x == t for x, t in zip(pred, a)), len(a)) for (pred, _), a in zip(tf, y)]
+        return proposals, agree, tie_prompts
 
     def measure(self, es: EvalSet) -> list[dict]:
         """Every row of one eval set (see the module docstring for what comes from where)."""
@@ -460,93 +291,106 @@ class _Stage:
         lens = [len(p) for p in prompts]
         temps = list(e.temperatures)
         bar.set_postfix_str(f"{es.name}: the target's answers")
-        answers = {t: reference_answers(target, prompts, e.max_new_tokens, t, e.top_p if t else 1.0, e.seed, self.eos,
-                                        self.pad, self.vocab, e.reference_batch_size)
-                   for t in dict.fromkeys([0.0] + [t for t in temps if t > 0])}
+        answers = {t: self.answers(prompts, t) for t in dict.fromkeys([0.0] + [t for t in temps if t > 0])}
         y = answers[0.0]
-        # Greedy: one teacher-forced pass per model draft, then exact replay for every γ.
+        # Greedy: one teacher-forced pass per model draft (a head: one target pass and a short unroll),
+        # then exact replay for every γ.
         bar.set_postfix_str(f"{es.name}: replay")
-        proposals, agree, tie_prompts = {}, {}, {}
-        tfs: dict[int, list] = {}  # id(model) -> its teacher-forced argmax and gaps (a hybrid reuses its draft's)
-        for c in self.ok:
-            model = self.models[c["name"]]
-            if c["kind"] == "prompt_lookup":
-                proposals[c["name"]] = [lookup_proposals(p, a) for p, a in zip(prompts, y)]
-                continue
-            if id(model) not in tfs:
-                tfs[id(model)] = [draft_argmax(model, p, a, c["vocab"], self.draft_vocab) for p, a in zip(prompts, y)]
-            tf = tfs[id(model)]
-            tie_prompts[c["name"]] = {pid for pid, (_, gap) in zip(ids, tf) if near_ties(gap, FLOAT_TIE_GAP)}
-            if c["kind"] == "hybrid":
-                proposals[c["name"]] = [hybrid_proposals(p, a, pred) for p, a, (pred, _) in zip(prompts, y, tf)]
-                continue
-            proposals[c["name"]] = [model_proposals(pred) for pred, _ in tf]
-            agree[c["name"]] = [(sum(x == t for x, t in zip(pred, a)), len(a)) for (pred, _), a in zip(tf, y)]
+        proposals, agree, tie_prompts = self.proposals(prompts, ids, y)
         stop = {self.eos}
         replayed = {(c["name"], g): [replay(a, prop, g, e.max_new_tokens, stop, e.gamma_policy)
                                      for a, prop in zip(y, proposals[c["name"]])]
                     for c in self.ok for g in e.gammas}
         # A candidate that accepted nothing anywhere cannot beat the target alone: it is not timed.
         timed_cands = [c for c in self.ok if any(m.accepted for g in e.gammas for m in replayed[(c["name"], g)])]
-        # The timed subset: decoded for real, at the timing budget.
         tidx = round_robin(es.prompts, e.timed_prompts)
         sub = es.subset(tidx)
+        sub_ids, sub_lens = [p.ids for p in sub.prompts], [len(p.ids) for p in sub.prompts]
         tmax = min(e.timed_max_new_tokens or e.max_new_tokens, e.max_new_tokens)
         y_t = [y[i][:tmax] for i in tidx]
         rows: list[dict] = []
-        timed_rows: dict[tuple[str, int], dict] = {}
-        grid = [(bs, t) for bs in e.batch_sizes for t in temps] if tidx else []
-        for bs, t in grid:
+        timed: dict[tuple[str, int], dict] = {}  # (candidate, γ) -> its greedy batch-1 run and costs
+        gts = self.timed_gammas
+        if tidx and 1 in e.batch_sizes:
+            # Greedy, batch 1: the target alone and each candidate at the timed γ, interleaved repeats.
+            specs = [(c, g) for c in timed_cands for g in gts]
+            bar.set_postfix_str(f"{es.name}: target + {len(specs)} speculative, timed")
+            runs = time_decoders([self.target_decode(0.0, tmax)] + [self.spec_decode(c, g, 0.0, tmax) for c, g in specs],
+                                 sub_ids, sub.batches(1), e.warmup, e.repeats, e.seed)
+            base, bm = runs[0], runs[0].metrics(1)
+            if "target" in e.references:
+                row = decoded_row(base, base, sub, 1, None, name="target", kind="target", draft=None)
+                rows.append({**row, "prompts": len(es.prompts), "gamma": 0, "acceptance_rate": None,
+                             "acceptance_rate_ci": None, "per_position_acceptance": [], "by_category": {}})
+            for (c, g), run_ in zip(specs, runs[1:]):
+                row = decoded_row(run_, base, sub, 1, bm.target_step_s, name=c["name"], kind=c["kind"], draft=c["draft"])
+                bad, ties = greedy_check(target, sub_ids, [p.id for p in sub.prompts], y_t, run_.tokens(len(tidx)),
+                                         self.vocab)
+                row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
+                timed[(c["name"], g)] = {"row": row, "run": run_, "costs": costs_from(bm, run_.metrics(1), sum(sub_lens))}
+            bar.update(1)
+        # Greedy, batch 1: replay over every prompt; a timed run's costs model every γ.
+        for c in self.ok:
+            for g in e.gammas:
+                parts = replayed[(c["name"], g)]
+                row = replayed_row(parts, es, name=c["name"], kind=c["kind"], draft=c["draft"])
+                tr = timed.get((c["name"], g)) or timed.get((c["name"], gts[-1]))
+                if tr is None:
+                    row["not_timed"] = ("nothing accepted on any prompt: it cannot beat the target alone"
+                                        if c not in timed_cands else "evaluate.timed_prompts=0 or no batch size 1")
+                    rows.append(row)
+                    continue
+                row = with_costs(row, tr["costs"], lens, parts)
+                if (c["name"], g) in timed:  # a timed row: measured speedup, greedy identity, replay = decoding
+                    props = [proposals[c["name"]][i] for i in tidx]
+                    again = [replay(a, prop, g, tmax, stop, e.gamma_policy) for a, prop in zip(y_t, props)]
+                    row = with_timing(row, tr["row"], tr["costs"], sub_lens, again)
+                    ties = tie_prompts.get(c["name"], set()) | {x["prompt_id"] for x in row["float_ties"]}
+                    row["replay_check"] = replay_check([p.id for p in sub.prompts], again,
+                                                       [r.metrics for r in tr["run"].results], ties)
+                rows.append(row)
+        # Sampled, batch 1: each candidate decoded once on the timed subset at the largest timed γ (α and τ
+        # by decoding; the speedup modeled from those counters and the greedy run's costs).
+        for t in [t for t in temps if t > 0] if tidx and 1 in e.batch_sizes else []:
+            bar.set_postfix_str(f"{es.name} T={t:g}: {len(timed_cands)} speculative, decoded once")
+            runs = time_decoders([self.spec_decode(c, gts[-1], t, tmax) for c in timed_cands], sub_ids, sub.batches(1),
+                                 0, 1, e.seed)
+            for c, run_ in zip(timed_cands, runs):
+                rows.append(sampled_row(run_, sub, len(es.prompts), timed[(c["name"], gts[-1])]["costs"], t, e.top_p,
+                                        name=c["name"], kind=c["kind"], draft=c["draft"]))
+            bar.update(1)
+        # Batch sizes > 1: decoded and timed on the subset, every candidate at every γ.
+        for bs, t in [(bs, t) for bs in e.batch_sizes if bs > 1 for t in temps] if tidx else []:
             specs = [(c, g) for c in timed_cands for g in e.gammas]
             bar.set_postfix_str(f"{es.name} batch={bs} T={t:g}: target + {len(specs)} speculative, timed")
-            timed = time_decoders([self.target_decode(t, tmax)] + [self.spec_decode(c, g, t, tmax) for c, g in specs],
-                                  [p.ids for p in sub.prompts], sub.batches(bs), e.warmup, e.repeats, e.seed)
-            base = timed[0]
+            runs = time_decoders([self.target_decode(t, tmax)] + [self.spec_decode(c, g, t, tmax) for c, g in specs],
+                                 sub_ids, sub.batches(bs), e.warmup, e.repeats, e.seed)
+            base = runs[0]
             bm = base.metrics(bs)
             if "target" in e.references:
                 row = decoded_row(base, base, sub, bs, None, name="target", kind="target", draft=None)
                 rows.append({**row, "prompts": len(es.prompts), "gamma": 0, "acceptance_rate": None,
                              "acceptance_rate_ci": None, "per_position_acceptance": [], "by_category": {}})
-            for (c, g), run_ in zip(specs, timed[1:]):
+            for (c, g), run_ in zip(specs, runs[1:]):
                 row = decoded_row(run_, base, sub, bs, bm.target_step_s, name=c["name"], kind=c["kind"], draft=c["draft"])
                 if t == 0:
-                    bad, ties = greedy_check(target, [p.ids for p in sub.prompts], [p.id for p in sub.prompts],
-                                             y_t, run_.tokens(len(tidx)), self.vocab)
+                    bad, ties = greedy_check(target, sub_ids, [p.id for p in sub.prompts], y_t, run_.tokens(len(tidx)),
+                                             self.vocab)
                     row.update(greedy_identical=not bad, greedy_mismatches=bad, float_ties=ties)
-                if t == 0 and bs == 1:
-                    timed_rows[(c["name"], g)] = {"row": row, "base": bm, "run": run_}
-                else:
-                    rows.append({**row, "prompts": len(es.prompts)})
+                rows.append({**row, "prompts": len(es.prompts)})
             bar.update(1)
-        # Greedy, batch 1: replay over every prompt, with the timed subset's costs and checks.
-        for c in self.ok:
-            for g in e.gammas:
-                parts = replayed[(c["name"], g)]
-                row = replayed_row(parts, es, name=c["name"], kind=c["kind"], draft=c["draft"])
-                tr = timed_rows.get((c["name"], g))
-                if tr is None:
-                    row["not_timed"] = ("nothing accepted on any prompt: it cannot beat the target alone"
-                                        if c not in timed_cands else "evaluate.timed_prompts=0 or no greedy batch-1 setting")
-                    rows.append(row)
-                    continue
-                decoded = [r.metrics for r in tr["run"].results]
-                props = [proposals[c["name"]][i] for i in tidx]
-                again = [replay(a, prop, g, tmax, stop, e.gamma_policy) for a, prop in zip(y_t, props)]
-                costs = costs_from(tr["base"], tr["run"].metrics(1), sum(len(p.ids) for p in sub.prompts))
-                row = with_timing(row, tr["row"], costs, lens, parts, [len(p.ids) for p in sub.prompts], again)
-                ties = tie_prompts.get(c["name"], set()) | {x["prompt_id"] for x in row["float_ties"]}
-                row["replay_check"] = replay_check([p.id for p in sub.prompts], again, decoded, ties)
-                rows.append(row)
         # α_TF: greedy agreement over every prompt (from the replay's pass), sampled α_TF at T > 0.
         for c in self.ok:
-            model = self.models[c["name"]]
-            if c["kind"] != "model":  # α_TF compares two distributions: a lookup has none
+            if c["kind"] not in DRAFT_KINDS:  # α_TF compares two distributions: a lookup has none
                 continue
+            model = self.models[c["name"]]
             tf = {0.0: agree[c["name"]]}
             for t in temps:
                 if t > 0:
                     bar.set_postfix_str(f"{es.name}: α_TF of {c['name']} at T={t:g}")
-                    tf[t] = teacher_forced(target, model, prompts, answers[t], t, e.top_p, c["vocab"], self.draft_vocab)
+                    tf[t] = (head_teacher_forced(target, model, prompts, answers[t], t, e.top_p, self.vocab)
+                             if c["kind"] == "head" else
+                             teacher_forced(target, model, prompts, answers[t], t, e.top_p, c["vocab"], self.draft_vocab))
             for row in rows:
                 if row["name"] == c["name"] and row.get("temperature") in tf:
                     parts = tf[row["temperature"]]
@@ -555,6 +399,11 @@ class _Stage:
                     row["teacher_forced_acceptance_ci"] = bootstrap_ci([s for s, _ in parts], [k for _, k in parts])
         order = {"target": -1, **{c["name"]: i for i, c in enumerate(self.ok)}}
         return sorted(rows, key=lambda r: (order[r["name"]], r["temperature"], r["batch_size"], r["gamma"]))
+
+
+def _block_proposals(blocks: list[list[int]]) -> Proposals:
+    """Proposals from a table of blocks: row e is the block proposed after e emitted tokens."""
+    return lambda e, k: blocks[e][:k] if e < len(blocks) else [-1] * k  # past y's end: never tested
 
 
 def _best_gamma(rows: list[dict], name: str, default: int) -> int:
@@ -578,16 +427,18 @@ def run(cfg: DictConfig) -> dict:
                 "rows": len(done["rows"]), "skipped": True}
     target, tok = _load_target(cfg)
     cands = _candidates(cfg, tok)
-    sets = load_eval_sets(cfg, tok, target)
+    answers = Answers(target, e.max_new_tokens, e.top_p, e.seed, tok.eos_token_id, tok.pad_token_id,
+                      shared_vocab_size(tok, target), e.reference_batch_size)
+    sets = load_eval_sets(cfg, tok, target, answers)
     vocab = shared_vocab_size(tok, target)
     draft_vocab = run_draft_vocab(cfg, vocab, tok)  # None: the drafts' whole vocabulary
     rows: list[dict] = []
     models: dict[str, Any] = {}  # candidate name -> loaded draft (None: prompt lookup)
     for c in cands:  # all loaded up front: every setting times all decoders side by side
-        if c["kind"] == "model" and not c["error"]:
+        if c["kind"] in DRAFT_KINDS and not c["error"]:
             try:
                 model = _load_candidate(cfg, c, target, tok)
-                c["vocab"] = shared_vocab_size(tok, target, model)
+                c["vocab"] = shared_vocab_size(tok, target, model if c["kind"] == "model" else None)
                 models[c["name"]] = model
             except ConfigError:
                 raise
@@ -614,7 +465,7 @@ def run(cfg: DictConfig) -> dict:
     hf_draft = next((c for c in ok if c["kind"] == "model"), None) if "hf_assisted" in e.references else None
     per_set = len(e.batch_sizes) * len(e.temperatures) * bool(e.timed_prompts) + bool(hf_draft and e.timed_prompts)
     bar = tqdm(total=len(sets) * per_set, desc="evaluate", unit="setting", file=sys.stderr)
-    stage = _Stage(cfg, target, tok, ok, models, draft_vocab, bar)
+    stage = _Stage(cfg, target, tok, ok, models, draft_vocab, answers, bar)
     hf_rows: list[dict] = []  # appended after the decoder's rows
     for es in sets:
         set_rows = stage.measure(es)
@@ -646,7 +497,7 @@ def run(cfg: DictConfig) -> dict:
 def _refuse_unloadable(rows: list[dict], out: Path) -> None:
     """Exit 2 (ConfigError) after the report when a requested draft could not be loaded: its row is only an
     error, and a run that measured nothing of it must not pass as done."""
-    bad = [f"{r['name']} ({r.get('draft')}): {r['error']}" for r in rows if r.get("kind") == "model" and r.get("error")]
+    bad = [f"{r['name']} ({r.get('draft')}): {r['error']}" for r in rows if r.get("kind") in DRAFT_KINDS and r.get("error")]
     if bad:
         raise ConfigError(f"{len(bad)} requested draft(s) could not be loaded: {'; '.join(bad)}. The report "
                           f"{out / 'report.json'} holds the rest; replace or remove them in evaluate.drafts")

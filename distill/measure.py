@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from specdec.decoder import DecodeResult, autoregressive_generate
+from specdec.features import FeatureTaps
 from specdec.metrics import SpecMetrics, bootstrap_ci, teacher_forced_acceptance
 from specdec.sampling import SamplingParams, logits_to_probs
 
@@ -46,6 +47,27 @@ def reference_answers(target, prompts: list[list[int]], max_new_tokens: int, tem
         if bar is not None:
             bar.update(len(idx))
     return out
+
+
+class Answers:
+    """The target's answers, each distinct prompt decoded once per temperature: a turn-2 set's first
+    turns are the turn-1 set's prompts, and the greedy answers serve replay, timing and checks alike."""
+
+    def __init__(self, target, max_new_tokens: int, top_p: float, seed: int, eos: int, pad: int, vocab: int,
+                 batch_size: int):
+        self.target, self.max_new, self.top_p, self.seed = target, max_new_tokens, top_p, seed
+        self.eos, self.pad, self.vocab, self.batch_size = eos, pad, vocab, batch_size
+        self._done: dict[tuple[float, tuple[int, ...]], list[int]] = {}
+
+    def __call__(self, prompts: list[list[int]], temperature: float) -> list[list[int]]:
+        keys = [(float(temperature), tuple(p)) for p in prompts]
+        todo = list(dict.fromkeys(k for k in keys if k not in self._done))
+        if todo:
+            got = reference_answers(self.target, [list(k[1]) for k in todo], self.max_new, temperature,
+                                    self.top_p if temperature else 1.0, self.seed, self.eos, self.pad, self.vocab,
+                                    self.batch_size)
+            self._done.update(zip(todo, got))
+        return [self._done[k] for k in keys]
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -106,20 +128,27 @@ def measured_speedup(base: Timed, spec: Timed) -> dict:
 # -- the cost model -------------------------------------------------------------------------------
 @dataclass
 class Costs:
-    """Seconds per unit, measured on the timed subset (last repeat's counters and timers)."""
+    """Seconds per unit, measured on the timed subset (last repeat's counters and timers). A verify call
+    scoring k proposals costs verify_base_s + k · verify_token_s: the line through the target-alone step
+    (k = 0) and the speculative run's mean verify call at its mean k, so one timed γ models every γ."""
 
     target_step_s: float  # one target-alone decoding step
     target_prefill_s: float  # target-alone prefill, per prompt token
-    verify_call_s: float  # one target verify call of the speculative run
+    verify_base_s: float  # a verify call with no proposal
+    verify_token_s: float  # each proposal a verify call also scores
     draft_step_s: float  # one draft step (a forward pass, or a lookup)
     spec_prefill_s: float  # the speculative run's prefill (target and drafter), per prompt token
+
+    def verify_call_s(self, k: float) -> float:
+        return self.verify_base_s + k * self.verify_token_s
 
     def times(self, prompt_tokens: int, m: SpecMetrics) -> tuple[float, float]:
         """(target alone, speculative) seconds for one prompt whose replay gave the counters m. Only
         forward passes, lookups and prefill are modeled: the decoder's bookkeeping is not, which is
         what the comparison with the measured speedup checks."""
         base = self.target_prefill_s * prompt_tokens + self.target_step_s * m.emitted
-        spec = self.spec_prefill_s * prompt_tokens + self.verify_call_s * m.target_calls + self.draft_step_s * m.draft_calls
+        spec = (self.spec_prefill_s * prompt_tokens + self.verify_base_s * m.target_calls
+                + self.verify_token_s * m.proposed + self.draft_step_s * m.draft_calls)
         return base, spec
 
 
@@ -127,8 +156,11 @@ def costs_from(base: SpecMetrics, spec: SpecMetrics, prompt_tokens: int) -> Opti
     """Costs from the timed target-alone and speculative runs over prompts of `prompt_tokens` in all."""
     if not (base.target_calls and spec.target_calls and prompt_tokens):
         return None
-    return Costs(base.target_time_s / base.target_calls, base.prefill_time_s / prompt_tokens,
-                 spec.target_time_s / spec.target_calls,
+    step = base.target_time_s / base.target_calls
+    verify = spec.target_time_s / spec.target_calls
+    mean_k = spec.proposed / spec.target_calls
+    per_token = max(0.0, (verify - step) / mean_k) if mean_k else 0.0
+    return Costs(step, base.prefill_time_s / prompt_tokens, verify - per_token * mean_k, per_token,
                  spec.draft_time_s / spec.draft_calls if spec.draft_calls else 0.0, spec.prefill_time_s / prompt_tokens)
 
 
@@ -202,4 +234,31 @@ def teacher_forced(target, draft, prompts: list[list[int]], answers: list[list[i
             sub = draft_vocab.to(dl.device)
             q = torch.zeros_like(dl).index_copy_(1, sub, logits_to_probs(dl[:, sub], params))  # [n, V]
         out.append((teacher_forced_acceptance(logits_to_probs(tl, params), q) * len(resp), len(resp)))
+    return out
+
+
+@torch.inference_mode()
+def head_teacher_forced(target, head, prompts: list[list[int]], answers: list[list[int]], temperature: float,
+                        top_p: float, vocab: int) -> list[tuple[float, int]]:
+    """teacher_forced for a feature head: q is its first proposal's distribution at every answer
+    position (the pair (f_{t-2}, x_{t-1}) predicts x_t), over its draft vocabulary, zero elsewhere.
+    A one-token prompt's first answer token has no target feature to read and is left out."""
+    dev = next(target.parameters()).device
+    params = SamplingParams(temperature, 0, top_p)
+    ids_of = head.vocab_ids.to(dev)
+    out = []
+    for p, resp in zip(prompts, answers):
+        lo = max(len(p), 2)  # first scored position: it needs the pair at lo - 2
+        if len(p) + len(resp) <= lo:
+            out.append((0.0, 0))
+            continue
+        ids = torch.tensor([p + resp], device=dev)
+        with FeatureTaps(target, head.feature_layers) as taps:
+            tl = target(ids).logits[0, lo - 1 : -1, :vocab]  # [n, V]: predicts positions lo..end
+            feats = taps.take().to(head.fc.weight.dtype)
+        g = head.unroll(feats[:, : -2], ids[:, 1:-1], 1)[0][0, lo - 2 :]  # pairs lo-2..; [n, H]
+        ql = head.logits(g).float()
+        q = torch.zeros(ql.shape[0], vocab, device=dev).index_copy_(1, ids_of, logits_to_probs(ql, params))
+        n = tl.shape[0]
+        out.append((teacher_forced_acceptance(logits_to_probs(tl.float(), params), q) * n, n))
     return out

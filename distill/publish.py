@@ -38,6 +38,7 @@ from distill.models import load_tokenizer, run_draft_vocab
 from distill.templates import prompt_code, stop_strings
 from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
+from specdec.heads import is_head_dir
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def resolve_draft(cfg: DictConfig) -> DraftSource:
             f"no draft at {path}: run the distill stage first (`python -m distill.train run_name={cfg.run_name}`) "
             f"or set publish.draft=<a draft dir>"
         )
-    if _is_head_dir(path):
+    if is_head_dir(path):
         return DraftSource(name, path, "head", path)
     adapter = next((d for d in (path, path / "adapter") if (d / "adapter_config.json").is_file()), None)
     merged = next((d for d in (path, path / "merged", path.parent / f"{path.name}-merged") if _is_model_dir(d)), None)
@@ -96,15 +97,6 @@ def resolve_draft(cfg: DictConfig) -> DraftSource:
         raise ConfigError(f"{path} holds neither a model (config.json + weights) nor a LoRA adapter; "
                           f"point publish.draft at a draft dir")
     return DraftSource(name, path, "adapter", adapter)
-
-
-def _is_head_dir(d: Path) -> bool:
-    from specdec.heads import ARCHITECTURE
-
-    try:
-        return ARCHITECTURE in (read_json(d / "config.json").get("architectures") or [])
-    except (OSError, ValueError):
-        return False
 
 
 def _head_usage(target_id: str, repo: str, gamma: int, head_cfg: dict) -> list[str]:

@@ -123,7 +123,7 @@ def pick_best(rows: list[dict], temperatures: list[float], batch_sizes: list[int
         vals = [r[k] for r in rs if isinstance(r.get(k), (int, float))]
         return sum(vals) / len(vals) if vals else None
 
-    models = at("model")
+    models = at("model") + at("head")
     pool = [r for r in models if r["name"] != "init"] or models
     if not pool:
         return None

@@ -375,6 +375,15 @@ def check_target(spec: dict, target: nn.Module) -> None:
                          + "; pass the target the head was trained on, or train a head for this one")
 
 
+def is_head_dir(path: str | Path) -> bool:
+    """Whether path holds a feature head checkpoint (an EAGLE-3 config.json)."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and ARCHITECTURE in (cfg.get("architectures") or [])
+
+
 def load_head(path: str | Path, target: nn.Module | None = None) -> FeatureHead:
     """A head saved by save_pretrained (or any single-config EAGLE-3 checkpoint of this layout). With a
     target: its embeddings are attached and its shape checked; without: call head.attach(target) later."""
