@@ -140,6 +140,11 @@ class HeadConfig:
     num_layers: int = 1  # decoder layers in the head (SGLang serves 1)
     # training-time test: unroll the head K steps on its own hidden states, the loss at every step
     ttt_steps: int = 3
+    lr: float = 1e-3  # a new layer on fixed features: the standalone drafts' 1e-4 moves it too slowly
+    # with a standalone student: the distill stage also trains a head (runs/<run>/distill-head), evaluate
+    # scores it as "head" (evaluate.drafts=[best,head]) and publish ships whichever measured fastest
+    also: bool = False
+    time_budget_min: Optional[float] = None  # the head's own budget beside the standalone one (null: train's)
 
 
 @dataclass
@@ -380,7 +385,7 @@ def validate(cfg: DictConfig | Config) -> None:
     s = cfg.student
     need(s.lora_r >= 1, "student.lora_r must be >= 1")
     h = cfg.get("head")
-    if h is not None and s.kind == "head":
+    if h is not None and (s.kind == "head" or h.get("also")):
         need(h.num_layers >= 1, f"head.num_layers={h.num_layers} must be >= 1")
         need(h.ttt_steps >= 1, f"head.ttt_steps={h.ttt_steps} must be >= 1 (1 = no training-time test)")
         need(h.layers is None or len(h.layers) >= 1, "head.layers must list at least one target layer (or be null)")

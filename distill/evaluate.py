@@ -438,7 +438,7 @@ def run(cfg: DictConfig) -> dict:
         if c["kind"] in DRAFT_KINDS and not c["error"]:
             try:
                 model = _load_candidate(cfg, c, target, tok)
-                c["vocab"] = shared_vocab_size(tok, target, model if c["kind"] == "model" else None)
+                c["vocab"] = shared_vocab_size(tok, target, *([model] if c["kind"] == "model" else []))
                 models[c["name"]] = model
             except ConfigError:
                 raise

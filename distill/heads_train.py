@@ -117,9 +117,10 @@ def _load_weights(head: FeatureHead, path) -> None:
     head.load_state_dict(load_head(path).state_dict())
 
 
-def run(cfg: DictConfig) -> dict:
-    """Train (or finish training) the feature head of runs/<run>; returns the summary (also distill/summary.json)."""
-    out, acc, records_key, finished = open_stage(cfg)
+def run(cfg: DictConfig, stage: str = "distill") -> dict:
+    """Train (or finish training) the feature head of runs/<run> into runs/<run>/<stage>; returns the summary
+    (also <stage>/summary.json)."""
+    out, acc, records_key, finished = open_stage(cfg, stage)
     if finished:
         return finished
     t, lc, hc = cfg.train, cfg.loss, cfg.head
@@ -138,7 +139,7 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"head.layers / head.num_layers: {err}") from None
     subset = VocabSubset(head.vocab_ids, vocab)
     head.train()
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=t.lr,
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=hc.lr,
                                   weight_decay=t.weight_decay, fused=acc.device.type in ("cpu", "cuda"))
     model = acc.prepare(HeadLoss(head, lc, subset, hc.ttt_steps))
     rank, world = acc.process_index, acc.num_processes
@@ -194,7 +195,7 @@ def run(cfg: DictConfig) -> dict:
 
     def summarize(done: bool) -> dict:
         return {
-            "stage": "distill", "student": "head", "dir": str(out), "done": done, "stopped": stopped if done else None,
+            "stage": stage, "student": "head", "dir": str(out), "done": done, "stopped": stopped if done else None,
             "step": state["step"], "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
             "init_teacher_forced_acceptance": state.get("init_teacher_forced_acceptance"),
             "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
@@ -233,7 +234,7 @@ def run(cfg: DictConfig) -> dict:
         if not math.isfinite(loss):
             last = ck.checkpoints(out)
             raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped. The last good checkpoint is "
-                                   f"{last[-1][1] if last else 'none'}; lower train.lr (now {t.lr}), then rerun")
+                                   f"{last[-1][1] if last else 'none'}; lower head.lr (now {hc.lr}), then rerun")
         if t.max_grad_norm and t.max_grad_norm > 0:
             acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()

@@ -41,7 +41,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
-from distill.config import STAGES, ConfigError, run_dir, validate
+from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, validate
 from distill.publish import fmt_num, pick
 from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
 
@@ -53,7 +53,7 @@ MODULES = {"generate": "distill.generate", "distill": "distill.train", "evaluate
 # report row name -> label, in table order
 ROWS = {"target": "target alone", "init": "undistilled draft (init)", "best": "distilled draft (best)",
         "hf_assisted": "HF assisted generation", "prompt_lookup": "prompt lookup (no draft)",
-        "hybrid": "hybrid (prompt lookup + draft)"}
+        "hybrid": "hybrid (prompt lookup + draft)", "head": "feature head (EAGLE-3)"}
 HEADERS = ["eval set", "decoding", "γ", "prompts (timed)", "α [95% CI]", "τ", "tokens/s", "speedup [95% CI]",
            "modeled [95% CI]"]
 
@@ -102,27 +102,38 @@ def command_line(hc) -> str:
 
 
 def headline_rows(report: dict) -> tuple[list[dict], dict]:
-    """Rows of the results table: per eval set, the 4 reference kinds (+ prompt lookup) at greedy, batch 1
-    (or the closest evaluated setting) and the best draft's γ."""
+    """Rows of the results table: per eval set, the target alone, the undistilled draft, every trained
+    draft (the best first), HF assisted generation, prompt lookup and the hybrid, at greedy, batch 1 (or
+    the closest evaluated setting), each at its own fastest γ (mean headline speedup over sets)."""
     rows = [r for r in report.get("rows", []) if not r.get("error") and r.get("eval_set")]
     temps = {r.get("temperature") or 0.0 for r in rows}
     sizes = {r.get("batch_size") or 1 for r in rows}
     temp = 0.0 if 0.0 in temps or not temps else min(temps)
     bs = 1 if 1 in sizes or not sizes else min(sizes)
     best = report.get("best") or {}
-    gamma = best.get("gamma")
     draft = best.get("name") if best.get("name") not in (None, "init") else "best"
-    order = {"target": 0, "init": 1, draft: 2, "hf_assisted": 3, "prompt_lookup": 4, "hybrid": 5}
-    picked = [r for r in rows if r["name"] in order and (r.get("temperature") or 0.0) == temp
-              and (r.get("batch_size") or 1) == bs and (r["kind"] == "target" or gamma is None or r.get("gamma") == gamma)]
+    rows = [r for r in rows if (r.get("temperature") or 0.0) == temp and (r.get("batch_size") or 1) == bs]
+    trained = [n for n in dict.fromkeys(r["name"] for r in rows if r["kind"] in DRAFT_KINDS) if n not in ("init", draft)]
+    order = {n: i for i, n in enumerate(["target", "init", draft, *trained, "hf_assisted", "prompt_lookup", "hybrid"])}
+    gamma_of = {}
+    for name in order:
+        mine = [r for r in rows if r["name"] == name and r["kind"] not in ("target", "hf_assisted")]
+        by_gamma: dict[int, list[float]] = {}
+        for r in mine:
+            v = report_mod.headline_speedup(r)
+            by_gamma.setdefault(r.get("gamma"), []).append(v if isinstance(v, (int, float)) else 0.0)
+        if by_gamma:
+            gamma_of[name] = (best.get("gamma") if name == draft and best.get("gamma") in by_gamma else
+                              max(by_gamma, key=lambda g: sum(by_gamma[g]) / len(by_gamma[g])))
+    picked = [r for r in rows if r["name"] in order and (r["name"] not in gamma_of or r.get("gamma") == gamma_of[r["name"]])]
     picked.sort(key=lambda r: (str(r["eval_set"]), order[r["name"]], r.get("gamma") or 0))
-    return picked, {"temperature": temp, "batch_size": bs, "gamma": gamma, "draft": draft}
+    return picked, {"temperature": temp, "batch_size": bs, "gamma": best.get("gamma"), "draft": draft}
 
 
-def table_cells(rows: list[dict], draft: str = "best") -> list[list[str]]:
+def table_cells(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
-        label = ROWS.get(r["name"], r["name"]) if r["name"] != draft or draft == "best" else f"distilled draft ({draft})"
+        label = ROWS.get(r["name"]) or f"distilled draft ({r['name']})"
         if r["name"] == "hf_assisted" and r.get("assistant"):
             label += f" ({r['assistant']})"
         out.append([str(r["eval_set"]), label, "–" if r["kind"] == "target" else str(r.get("gamma")),
@@ -142,7 +153,7 @@ def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
 
 def results_markdown(cfg: DictConfig, report: dict, summary: Optional[dict], hc) -> tuple[str, list[list[str]]]:
     rows, setting = headline_rows(report)
-    cells = table_cells(rows, setting["draft"])
+    cells = table_cells(rows)
     rd = run_dir(cfg)
     st = report.get("settings", {})
     samp = "greedy" if not setting["temperature"] else f"T={setting['temperature']:g}"

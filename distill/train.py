@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from distill import checkpoint as ck
 from distill.batches import LogitScale, collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
-from distill.config import ConfigError, run_dir
+from distill.config import HEAD_STAGE, ConfigError, run_dir
 from distill.losses import HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, gather_teacher
 from distill.models import load_draft, load_target, load_tokenizer, resolve_device, run_draft_vocab, shared_vocab_size, tokenizer_fingerprint
 from distill.utils import cli, read_json, start_stage
@@ -235,13 +235,13 @@ def _done(summary: Optional[dict], cfg: DictConfig, out) -> bool:
                 and summary.get("time_budget_min") == cfg.train.time_budget_min and (out / "best" / "config.json").exists())
 
 
-def open_stage(cfg: DictConfig):
+def open_stage(cfg: DictConfig, stage: str = "distill"):
     """The distill stage's start, shared by both kinds of student: validate, form the accelerate group, recover
     from a kill, check the records. Returns (out dir, accelerator, records key, summary) — the summary of a
     finished run (nothing left to do), else None."""
     from accelerate import Accelerator
 
-    out = start_stage(cfg, "distill")
+    out = start_stage(cfg, stage)
     t = cfg.train
     if t.holdout < 1:
         raise ConfigError("train.holdout must be >= 1: α_TF on held-out records picks the best checkpoint")
@@ -281,11 +281,29 @@ def open_stage(cfg: DictConfig):
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train (or finish training) the draft of runs/<run>; returns the summary (also distill/summary.json)."""
-    if cfg.student.kind == "head":  # a feature head: its own recipe (distill/heads_train.py)
-        from distill.heads_train import run as run_head
+    """Train (or finish training) the draft of runs/<run>; returns the summary (also distill/summary.json).
+    With head.also, then a feature head beside it (runs/<run>/distill-head; its summary under "head")."""
+    from distill.heads_train import run as run_head
 
+    if cfg.student.kind == "head":  # a feature head: its own recipe (distill/heads_train.py)
         return run_head(cfg)
+    result = _run_standalone(cfg)
+    if cfg.head.also:
+        result = {**result, "head": run_head(beside_head(cfg), HEAD_STAGE)}
+    return result
+
+
+def beside_head(cfg: DictConfig) -> DictConfig:
+    """The config of the head trained beside the standalone draft (head.also): student=head, with the
+    head's own time budget (head.time_budget_min; null: train.time_budget_min)."""
+    hc = OmegaConf.create(OmegaConf.to_container(cfg))
+    hc.student.kind = "head"
+    if cfg.head.time_budget_min is not None:
+        hc.train.time_budget_min = cfg.head.time_budget_min
+    return hc
+
+
+def _run_standalone(cfg: DictConfig) -> dict:
     out, acc, records_key, finished = open_stage(cfg)
     if finished:
         return finished

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from distill import evaluate
 from distill import report as rpt
 from distill.config import ConfigError
+from distill.models import load_target
 from distill.tiny import tiny_draft, tiny_model, tiny_tokenizer
 from specdec.decoder import SpeculativeDecoder
 from specdec.metrics import SpecMetrics
@@ -412,3 +413,29 @@ def test_smoke_times_with_warmup_and_three_repeats(run_root):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         smoke = compose(config_name="evaluate", overrides=["experiment=smoke"]).evaluate
     assert smoke.repeats >= 3 and smoke.warmup >= 1 and e.repeats == 3
+
+
+def test_feature_head_is_replayed_timed_and_checked(run_root):
+    """A feature head among the drafts: replayed on every prompt, timed at both γ, and its replayed counts
+    equal the decoded ones (the head is fit to these very prompts, so it accepts some of its proposals)."""
+    from distill.evalsets import load_eval_sets
+    from test_heads import fit_head
+
+    head_dir = run_root / "head"
+    cfg = make_cfg(run_root, f"evaluate.drafts=[{head_dir}]", "evaluate.gammas=[1,3]", "evaluate.timed_gammas=[1,3]",
+                   "evaluate.timed_prompts=2", "evaluate.temperatures=[0.0,1.0]")
+    target, tok = load_target(cfg.model)
+    prompts = [p.ids for s in load_eval_sets(cfg, tok, target, None) for p in s.prompts]
+    fit_head(target, prompts, steps=60, sampled=0).save_pretrained(head_dir)
+    evaluate.run(cfg)
+    report = read_report(run_root)
+    rows = rows_of(report, "head")
+    assert rows and all(r["kind"] == "head" for r in rows)
+    greedy = [r for r in rows if r["temperature"] == 0]
+    assert {r["gamma"] for r in greedy} == {1, 3} and all(r["scored_by"] == "replay" for r in greedy)
+    assert all(r["counters"]["accepted"] > 0 and r["replay_check"]["equal"] and r["greedy_identical"] for r in greedy)
+    assert all(r["teacher_forced_acceptance"] is not None for r in rows)
+    # greedy α_TF of a head is the agreement of its first proposal, which replay's first round also tests
+    (sampled,) = [r for r in rows if r["temperature"] == 1.0]
+    assert sampled["scored_by"] == "decoding" and sampled["draft_sampled"] and sampled["modeled_speedup"] is not None
+    assert report["best"]["name"] == "head" and report["greedy_identical"]

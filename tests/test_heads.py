@@ -29,14 +29,14 @@ def target():
     return tiny_model(seed=0, num_layers=4)
 
 
-def fit_head(target, prompts, steps: int = 60, ttt: int = 3, vocab_ids=None) -> FeatureHead:
+def fit_head(target, prompts, steps: int = 60, ttt: int = 3, vocab_ids=None, sampled: int = 64) -> FeatureHead:
     """A head fit (forward KL to the target, TTT over `ttt` steps) to the target's greedy continuations of
-    `prompts` and to 64 sampled continuations of G_PROMPT: partial acceptance on exactly these inputs (a
+    `prompts` and to `sampled` sampled continuations of G_PROMPT: partial acceptance on exactly these inputs (a
     tiny random target is too chaotic for a head to generalise to others)."""
     head = FeatureHead.from_target(target, vocab_ids=vocab_ids)
     greedy = autoregressive_generate(target, prompts, max_new_tokens=40, eos_token_id=[]).tokens
-    sampled = autoregressive_generate(target, [G_PROMPT] * 64, max_new_tokens=4, temperature=1.0, seed=3,
-                                      eos_token_id=[]).tokens
+    sampled = autoregressive_generate(target, [G_PROMPT] * sampled, max_new_tokens=4, temperature=1.0, seed=3,
+                                      eos_token_id=[]).tokens if sampled else []
     seqs = [p + r for p, r in zip(prompts, greedy)] + [G_PROMPT + r for r in sampled]
     T = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])

@@ -19,7 +19,7 @@ from specdec.head_drafter import HeadDrafter
 from specdec.heads import load_head
 from test_train import assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
 
-HEAD = ("student=head", "train.lr=1e-2", "head.ttt_steps=3")
+HEAD = ("student=head", "head.lr=1e-2", "head.ttt_steps=3")
 
 
 def test_head_loss_falls_and_best_is_a_loadable_head(gen, tmp_path):

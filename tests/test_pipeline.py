@@ -185,3 +185,25 @@ def test_refuses_to_run_every_stage_in_every_accelerate_process(tmp_path, monkey
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="accelerate launch -m distill.train"):
         pipeline.run(_cfg(tmp_path))
+
+
+def test_pipeline_trains_a_head_beside_the_draft_and_ships_the_faster(tmp_path):
+    runs = tmp_path / "runs"
+    _cli("model=tiny", "experiment=smoke", f"runs_root={runs}", "head.also=true", "head.time_budget_min=5",
+         "evaluate.drafts=[best,head]", "evaluate.temperatures=[0,1]")
+    rd = runs / "smoke"
+    assert (rd / "distill" / "best" / "model.safetensors").is_file()
+    head_summary = json.loads((rd / "distill-head" / "summary.json").read_text())
+    assert head_summary["done"] and head_summary["student"] == "head" and head_summary["stage"] == "distill-head"
+    assert head_summary["time_budget_min"] == 5
+    report = json.loads((rd / "evaluate" / "report.json").read_text())
+    heads = [r for r in report["rows"] if r["name"] == "head"]
+    # scored by replay on every set (a tiny random target's head rarely agrees on new prompts: the timed
+    # path of a head that does is tests/test_evaluate.py's)
+    assert {r["eval_set"] for r in heads} == set(report["settings"]["eval_sets"])
+    assert all(r["kind"] == "head" and not r.get("error") and r["teacher_forced_acceptance"] is not None for r in heads)
+    # the results table shows both kinds; publish stages the one the report ranks first
+    assert "feature head (EAGLE-3)" in (rd / "results.md").read_text()
+    best = report["best"]
+    published = json.loads((rd / "publish.json").read_text())
+    assert best["name"] in ("best", "head") and published["kind"] == ("head" if best["name"] == "head" else "model")
