@@ -202,6 +202,7 @@ class EvaluateConfig:
     # γ each candidate is timed at (null: the largest of gammas). The costs of a timed run model the
     # speedup at every γ (a verify call's cost is linear in its proposals); timed γ also get a measured one
     timed_gammas: Optional[list[int]] = None
+    sampled_prompts: Optional[int] = None  # α_TF at T > 0 scores the target's sampled answers to this many per set (null: all)
     repeats: int = 3  # timed runs per decoder (median); fewer than 3 flags every speedup as noise
     warmup: int = 1  # untimed runs first; 0 flags every speedup as noise
     reference_batch_size: int = 16  # the target's reference answers are decoded in batches of this size
@@ -399,6 +400,7 @@ def validate(cfg: DictConfig | Config) -> None:
     need(e.repeats >= 1 and e.warmup >= 0, "evaluate.repeats must be >= 1 and evaluate.warmup >= 0")
     need(not e.get("timed_gammas") or set(e.timed_gammas) <= set(e.gammas),
          f"evaluate.timed_gammas={list(e.get('timed_gammas') or [])} must be among evaluate.gammas={list(e.gammas)}")
+    need(e.get("sampled_prompts") is None or e.sampled_prompts >= 1, "evaluate.sampled_prompts must be >= 1 (or null: all)")
     need(e.get("timed_prompts", 0) >= 0, "evaluate.timed_prompts must be >= 0 (0: replay only, no timing)")
     need(e.get("timed_max_new_tokens") is None or e.timed_max_new_tokens >= 1,
          "evaluate.timed_max_new_tokens must be >= 1 (or null: evaluate.max_new_tokens)")

@@ -135,8 +135,8 @@ def hf_assisted_row(target, draft, name: str, path: Optional[str], es: EvalSet, 
     """transformers assisted generation (batch 1, greedy, constant γ) vs transformers' plain generate, on the
     timed subset."""
     def decoder(assistant):
-        def dec(batch, seed):
-            toks = _hf_generate(target, batch[0], max_new, eos, pad, assistant)
+        def dec(batch, seed, n=None):
+            toks = _hf_generate(target, batch[0], n or max_new, eos, pad, assistant)
             return DecodeResult([toks], ["eos" if eos in toks else "length"])
         return dec
 

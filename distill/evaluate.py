@@ -236,13 +236,19 @@ class _Stage:
             cfg, cfg.evaluate, target, ok, models, draft_vocab, bar)
         self.eos, self.pad, self.vocab = tok.eos_token_id, tok.pad_token_id, shared_vocab_size(tok, target)
         e, self.answers = self.e, answers
+        # init is the distilled draft before training when both are full models of one shape: their steps
+        # cost the same, so init borrows the distilled draft's timed costs instead of being timed itself
+        size = lambda m: (type(m).__name__, sum(p.numel() for p in m.parameters()))  # noqa: E731
+        twin = next((c["name"] for c in ok if c["kind"] == "model" and c["name"] != "init"), None)
+        self.twin = {"init": twin} if (twin and "init" in models and models["init"] is not None
+                                       and size(models["init"]) == size(models[twin])) else {}
         # the γ each candidate is timed at: the costs of the largest model every other (measure.Costs)
         self.timed_gammas = sorted(set(e.timed_gammas or [max(e.gammas)]))
         self.depth = max(e.gammas) * (2 if e.gamma_policy == "adaptive" else 1)  # the longest block replay asks
 
     def target_decode(self, temp: float, max_new: int):
-        return lambda batch, seed: autoregressive_generate(
-            self.target, batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p, seed=seed,
+        return lambda batch, seed, n=None: autoregressive_generate(
+            self.target, batch, max_new_tokens=n or max_new, temperature=temp, top_p=self.e.top_p, seed=seed,
             eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
 
     def drafter(self, c: dict):
@@ -254,8 +260,8 @@ class _Stage:
     def spec_decode(self, c: dict, gamma: int, temp: float, max_new: int):
         dec = SpeculativeDecoder(self.target, self.drafter(c), gamma=gamma, gamma_policy=self.e.gamma_policy,
                                  eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab)
-        return lambda batch, seed: dec.generate(batch, max_new_tokens=max_new, temperature=temp, top_p=self.e.top_p,
-                                                seed=seed)
+        return lambda batch, seed, n=None: dec.generate(batch, max_new_tokens=n or max_new, temperature=temp,
+                                                        top_p=self.e.top_p, seed=seed)
 
     def proposals(self, prompts: list[list[int]], ids: list[str], y: list[list[int]]):
         """Per candidate: its greedy proposals for every prompt (replay's input), the prompts where a
@@ -291,8 +297,9 @@ class _Stage:
         lens = [len(p) for p in prompts]
         temps = list(e.temperatures)
         bar.set_postfix_str(f"{es.name}: the target's answers")
-        answers = {t: self.answers(prompts, t) for t in dict.fromkeys([0.0] + [t for t in temps if t > 0])}
-        y = answers[0.0]
+        y = self.answers(prompts, 0.0)
+        sampled = [prompts[i] for i in round_robin(es.prompts, e.sampled_prompts)]  # α_TF at T > 0 scores these
+        answers = {t: self.answers(sampled, t) for t in temps if t > 0}
         # Greedy: one teacher-forced pass per model draft (a head: one target pass and a short unroll),
         # then exact replay for every γ.
         bar.set_postfix_str(f"{es.name}: replay")
@@ -311,9 +318,10 @@ class _Stage:
         rows: list[dict] = []
         timed: dict[tuple[str, int], dict] = {}  # (candidate, γ) -> its greedy batch-1 run and costs
         gts = self.timed_gammas
+        borrows = {n: t for n, t in self.twin.items() if any(c["name"] == t for c in timed_cands)}
         if tidx and 1 in e.batch_sizes:
             # Greedy, batch 1: the target alone and each candidate at the timed γ, interleaved repeats.
-            specs = [(c, g) for c in timed_cands for g in gts]
+            specs = [(c, g) for c in timed_cands if c["name"] not in borrows for g in gts]
             bar.set_postfix_str(f"{es.name}: target + {len(specs)} speculative, timed")
             runs = time_decoders([self.target_decode(0.0, tmax)] + [self.spec_decode(c, g, 0.0, tmax) for c, g in specs],
                                  sub_ids, sub.batches(1), e.warmup, e.repeats, e.seed)
@@ -334,14 +342,17 @@ class _Stage:
             for g in e.gammas:
                 parts = replayed[(c["name"], g)]
                 row = replayed_row(parts, es, name=c["name"], kind=c["kind"], draft=c["draft"])
-                tr = timed.get((c["name"], g)) or timed.get((c["name"], gts[-1]))
+                own = borrows.get(c["name"], c["name"])
+                tr = timed.get((own, g)) or timed.get((own, gts[-1]))
+                if own != c["name"] and tr is not None:
+                    row["costs_of"] = own
                 if tr is None:
                     row["not_timed"] = ("nothing accepted on any prompt: it cannot beat the target alone"
                                         if c not in timed_cands else "evaluate.timed_prompts=0 or no batch size 1")
                     rows.append(row)
                     continue
                 row = with_costs(row, tr["costs"], lens, parts)
-                if (c["name"], g) in timed:  # a timed row: measured speedup, greedy identity, replay = decoding
+                if own == c["name"] and (c["name"], g) in timed:  # a timed row: measured speedup, greedy identity, replay = decoding
                     props = [proposals[c["name"]][i] for i in tidx]
                     again = [replay(a, prop, g, tmax, stop, e.gamma_policy) for a, prop in zip(y_t, props)]
                     row = with_timing(row, tr["row"], tr["costs"], sub_lens, again)
@@ -356,7 +367,8 @@ class _Stage:
             runs = time_decoders([self.spec_decode(c, gts[-1], t, tmax) for c in timed_cands], sub_ids, sub.batches(1),
                                  0, 1, e.seed)
             for c, run_ in zip(timed_cands, runs):
-                rows.append(sampled_row(run_, sub, len(es.prompts), timed[(c["name"], gts[-1])]["costs"], t, e.top_p,
+                own = borrows.get(c["name"], c["name"])
+                rows.append(sampled_row(run_, sub, len(es.prompts), timed[(own, gts[-1])]["costs"], t, e.top_p,
                                         name=c["name"], kind=c["kind"], draft=c["draft"]))
             bar.update(1)
         # Batch sizes > 1: decoded and timed on the subset, every candidate at every γ.
@@ -388,9 +400,9 @@ class _Stage:
             for t in temps:
                 if t > 0:
                     bar.set_postfix_str(f"{es.name}: α_TF of {c['name']} at T={t:g}")
-                    tf[t] = (head_teacher_forced(target, model, prompts, answers[t], t, e.top_p, self.vocab)
+                    tf[t] = (head_teacher_forced(target, model, sampled, answers[t], t, e.top_p, self.vocab)
                              if c["kind"] == "head" else
-                             teacher_forced(target, model, prompts, answers[t], t, e.top_p, c["vocab"], self.draft_vocab))
+                             teacher_forced(target, model, sampled, answers[t], t, e.top_p, c["vocab"], self.draft_vocab))
             for row in rows:
                 if row["name"] == c["name"] and row.get("temperature") in tf:
                     parts = tf[row["temperature"]]

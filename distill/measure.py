@@ -27,7 +27,8 @@ from specdec.metrics import SpecMetrics, bootstrap_ci, teacher_forced_acceptance
 from specdec.sampling import SamplingParams, logits_to_probs
 
 FLOAT_TIE_GAP = 1e-4  # docs/architecture.md, "Lossless"
-Decode = Callable[[list[list[int]], int], DecodeResult]  # (batch of prompts, seed) -> result
+Decode = Callable[..., DecodeResult]  # (batch of prompts, seed, max_new_tokens=None: the decoder's own) -> result
+WARMUP_TOKENS = 8  # a warm-up run decodes this many: the first call's one-time costs, not a full answer
 
 
 # -- the target's own answers ---------------------------------------------------------------------
@@ -98,11 +99,12 @@ class Timed:
 
 def time_decoders(decoders: list[Decode], prompts: list[list[int]], batches: list[list[int]], warmup: int,
                   repeats: int, seed: int) -> list[Timed]:
-    """Warm each decoder up on the first batch (untimed), then time `repeats` passes over every batch,
-    interleaved (repeat r runs every decoder in turn) so drift on a shared machine hits all alike."""
+    """Warm each decoder up on the first batch (untimed, WARMUP_TOKENS tokens), then time `repeats` passes
+    over every batch, interleaved (repeat r runs every decoder in turn) so drift on a shared machine hits
+    all alike."""
     for decode in decoders:
         for _ in range(warmup):
-            decode([prompts[i] for i in batches[0]], seed)
+            decode([prompts[i] for i in batches[0]], seed, WARMUP_TOKENS)
     out = [Timed([], [], batches) for _ in decoders]
     for _ in range(repeats):
         for decode, t in zip(decoders, out):

@@ -191,7 +191,9 @@ def test_all_references_sampling_and_plots(run_root):
     # the others are timed at the largest γ; the costs of that run model γ = 1 too (no measured speedup there)
     for r in greedy:
         if r not in untimed:
-            assert r["modeled_speedup"] > 0 and (r["speedup"] is not None) == (r["gamma"] == 2) == bool(r["timed_prompts"])
+            own = r.get("costs_of") is None  # init borrows a distilled draft's costs when both have one shape
+            assert r["modeled_speedup"] > 0
+            assert (r["speedup"] is not None) == (r["gamma"] == 2 and own) == bool(r["timed_prompts"])
     assert report["best"]["name"] in ("checkpoint-2", "checkpoint-10")
     out = run_root / "runs" / "r" / "evaluate"
     for p in ("per_position_acceptance", "speedup_vs_gamma", "acceptance_by_category", "accepted_length_histogram"):
