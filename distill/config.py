@@ -18,9 +18,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration error; the message says what to change."""
+from distill.errors import ConfigError
+from distill.templates import template_problem
 
 
 @dataclass
@@ -343,8 +342,6 @@ def validate(cfg: DictConfig | Config) -> None:
         whole = [n for n, ed in cfg.get("eval_data", {}).items() if ed.get("limit") is None]
         need(not whole, f"data.in_domain trains on the eval_data prompts that evaluation leaves out, but {whole} "
              "evaluate every prompt; hold some out with eval_data.<name>.shuffle=true eval_data.<name>.limit=N")
-    from distill.templates import template_problem
-
     for name, dc in [("data", d), *((f"eval_data.{k}", v) for k, v in (cfg.get("eval_data") or {}).items())]:
         problem = template_problem(dc.get("template")) if dc is not None else None
         need(problem is None, f"{name}.template: {problem}; use {name}.template=chat or a format string such as "

@@ -29,7 +29,6 @@ explains it (a decoder bug; the report is written first).
 """
 from __future__ import annotations
 
-import copy
 import glob
 import json
 import logging
@@ -37,7 +36,6 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,8 +48,7 @@ from distill import report as report_mod
 from distill.config import DRAFT_KINDS, HEAD_STAGE, REFERENCES, ConfigError, run_dir
 from distill.doctor import diagnose, noise_flags
 from distill.eval_rows import decoded_row, hf_assisted_row, replayed_row, sampled_row, with_costs, with_timing
-from distill.evalsets import EvalSet, Prompt, load_eval_sets, round_robin  # noqa: F401 (Prompt: re-exported)
-from distill.generate import check_records_owner, record_ids
+from distill.evalsets import EvalSet, Prompt, load_eval_sets, round_robin  # noqa: F401 (Prompt: for callers)
 from distill.measure import (
     FLOAT_TIE_GAP,
     Answers,
@@ -68,9 +65,9 @@ from distill.models import (
     load_model,
     load_target,
     load_tokenizer,
-    run_draft_vocab,
     shared_vocab_size,
 )
+from distill.records import check_records_owner, record_ids, run_draft_vocab
 from distill.templates import CHAT
 from distill.utils import atomic_write_json, cli, start_stage
 from specdec.decoder import SpeculativeDecoder, autoregressive_generate

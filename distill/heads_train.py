@@ -35,8 +35,9 @@ from distill import checkpoint as ck
 from distill.batches import Reference, collate, holdout_reference, split_holdout, to_examples
 from distill.config import ConfigError
 from distill.losses import SINK, HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, chunked_overlap, gather_teacher
-from distill.models import load_target, run_draft_vocab, shared_vocab_size
-from distill.train import TrainingDiverged, _check_generated, _global_batch, _Logger, _schedule, open_stage
+from distill.models import load_target, shared_vocab_size
+from distill.records import run_draft_vocab
+from distill.training import Logger, TrainingDiverged, check_generated, global_batch, open_stage, schedule
 from specdec.features import FeatureTaps
 from specdec.heads import FeatureHead, load_head
 
@@ -126,7 +127,7 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
     t, lc, hc = cfg.train, cfg.loss, cfg.head
     target, tok = load_target(OmegaConf.merge(cfg.model, {"device": str(acc.device)}))
     target.requires_grad_(False)
-    records = _check_generated(cfg, tok)
+    records = check_generated(cfg, tok)
     vocab = shared_vocab_size(tok, target)
     train_set, holdout = split_holdout(to_examples(records, t.max_seq_len, t.teacher == "topk"), t.holdout, cfg.seed)
     if not train_set:
@@ -154,7 +155,7 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
         return (float(tot[0] / tot[2]), float(tot[1] / tot[2])) if tot[2] > 0 else (math.nan, math.nan)
 
     state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
-    scheduler = _schedule(optimizer, t, lambda: state["elapsed_s"])
+    scheduler = schedule(optimizer, t, lambda: state["elapsed_s"])
     ckpts = ck.checkpoints(out)
     if t.resume == "auto" and ckpts:
         step0, path = ckpts[-1]
@@ -182,7 +183,7 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
         consider(0, a0, g0)
 
     G = t.batch_size * world * t.grad_accum
-    logger = _Logger(cfg, out, acc.is_main_process)
+    logger = Logger(cfg, out, acc.is_main_process)
     budget_s = t.time_budget_min * 60 if t.time_budget_min else math.inf
     bar = tqdm(total=t.max_steps, initial=state["step"], unit="step", desc="distill (head)", disable=not acc.is_main_process)
     stopped = "max_steps"
@@ -216,7 +217,7 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
     while state["step"] < t.max_steps:
         step = state["step"]
         t0 = time.perf_counter()
-        batch_ids = _global_batch(len(train_set), step, G, cfg.seed)
+        batch_ids = global_batch(len(train_set), step, G, cfg.seed)
         micro_batches = [[train_set[i] for i in batch_ids[(a * world + rank) * t.batch_size:][: t.batch_size]]
                          for a in range(t.grad_accum)]
         local_n = sum(len(e.response_ids) for exs in micro_batches for e in exs)

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from distill.config import ConfigError, ModelConfig
 from specdec.hub import ModelSourceError, pretrained
+from specdec.tiny import tiny_model, tiny_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 def materialize_tiny(out_dir: Path) -> Path:
     """Save the tiny random test target and its tokenizer to a dir, like any HF model."""
-    from distill.tiny import tiny_model, tiny_tokenizer
-
     def save(tmp: Path) -> None:
         tiny_model(seed=0).save_pretrained(tmp)
         tiny_tokenizer().save_pretrained(tmp)
@@ -302,23 +301,3 @@ def shared_vocab_size(tok, *models: PreTrainedModel) -> int:
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Drop logits of padded embedding rows: [..., V_model] -> [..., vocab_size]."""
     return logits[..., :vocab_size]
-
-
-def run_draft_vocab(cfg: Any, vocab_size: int, tokenizer: Any = None) -> Optional[torch.Tensor]:
-    """The run's draft vocabulary: the model.draft_vocab token ids its generated answers use most
-    (sorted [N] long), or None when model.draft_vocab is 0. Deterministic in the records and the
-    tokenizer (the target's), whose single-character tokens fill the slots the answers leave free
-    (specdec.drafters.frequent_tokens); every stage must pass the same one."""
-    n = int(cfg.model.draft_vocab or 0)
-    if n == 0:
-        return None
-    from distill.config import run_dir
-    from distill.generate import load_generated
-    from specdec.drafters import frequent_tokens
-
-    try:
-        answers = load_generated(run_dir(cfg))["response_ids"]
-    except ConfigError as err:
-        raise ConfigError(f"model.draft_vocab={n} ranks tokens by this run's generated answers: {err} "
-                          "(or set model.draft_vocab=0 for the whole vocabulary)") from None
-    return frequent_tokens(answers, min(n, vocab_size), vocab_size, tokenizer)

@@ -34,11 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
 from distill.config import ConfigError, run_dir
-from distill.models import load_tokenizer, run_draft_vocab
+from distill.models import check_tokenizers, load_draft, load_tokenizer
+from distill.records import check_records_owner, run_draft_vocab
 from distill.templates import prompt_code, stop_strings
 from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
 from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
 from specdec.heads import is_head_dir
+from specdec.hub import endpoint
 
 log = logging.getLogger(__name__)
 
@@ -393,8 +395,6 @@ def merge_adapter(adapter_dir: Path, cfg: DictConfig):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from distill.models import load_draft
-
     init = Path(run_dir(cfg)) / "distill" / "init"
     base = AutoModelForCausalLM.from_pretrained(init) if _is_model_dir(init) else load_draft(cfg.model).cpu()
     with warnings.catch_warnings(record=True) as caught:
@@ -427,8 +427,6 @@ def _stage_adapter(src: DraftSource, tmp: Path, cfg: DictConfig) -> None:
 def stage(cfg: DictConfig, src: DraftSource, card, tmp: Path) -> None:
     """Fill tmp with the upload folder: weights (or adapter), tokenizer, generation config, README.md."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from distill.models import check_tokenizers, load_tokenizer
 
     if src.kind in ("model", "head"):  # a head: its EAGLE-3 config.json and model.safetensors, as trained
         _copy(src.weights, tmp, MODEL_FILES)
@@ -531,7 +529,6 @@ def run(cfg: DictConfig) -> dict:
     prev_cfg = rd / "config.yaml"  # read before start_stage overwrites it: the config distill/evaluate ran with
     prev = OmegaConf.to_container(OmegaConf.load(prev_cfg), resolve=False) if prev_cfg.is_file() else None
     out = start_stage(cfg, "publish")
-    from distill.generate import check_records_owner
 
     check_records_owner(cfg)  # the card names cfg.model.target: the records and the draft must be its
     if not cfg.publish.dry_run:
@@ -576,8 +573,6 @@ def run(cfg: DictConfig) -> dict:
     try:
         uploaded = upload(cfg, out)
     except Exception as e:  # no network, a refused token, a server error: one message, the staged folder stays
-        from specdec.hub import endpoint
-
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"upload of {out} to {cfg.publish.repo_id} at {endpoint()} failed ({type(e).__name__}: "
                           f"{first}); check the network (or HF_ENDPOINT) and that the token may write there "

@@ -19,7 +19,7 @@ import logging
 import string
 from typing import Any, Optional
 
-from distill.config import ConfigError
+from distill.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -103,7 +103,7 @@ def draft_vocabs(args, vocab: int, tok=None) -> dict[str, torch.Tensor]:
             if answers is None:
                 if not args.vocab_from:
                     sys.exit("--draft-vocab N needs --vocab-from RUN_DIR (its generated answers rank the tokens)")
-                from distill.generate import load_generated
+                from distill.records import load_generated
                 answers = load_generated(args.vocab_from)["response_ids"]
             ids = frequent_tokens(answers, int(size), vocab, tok)  # as the pipeline ranks them
         out[f"specdec vocab {len(ids)}"] = ids

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from distill import generate, train  # noqa: E402
 from distill.batches import LogitScale, holdout_reference, measure_alpha, to_examples  # noqa: E402
-from distill.generate import load_generated  # noqa: E402
+from distill.records import load_generated  # noqa: E402
 from distill.losses import VocabSubset  # noqa: E402
 from distill.models import draft_from_target, load_draft, load_model, load_target, shared_vocab_size  # noqa: E402
 from specdec.drafters import frequent_tokens  # noqa: E402

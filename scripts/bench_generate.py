@@ -34,7 +34,8 @@ from hydra import compose, initialize_config_dir
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-from distill.generate import load_generated, run  # noqa: E402
+from distill.generate import run  # noqa: E402
+from distill.records import load_generated  # noqa: E402
 from distill.models import load_target  # noqa: E402
 
 

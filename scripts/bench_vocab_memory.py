@@ -37,7 +37,7 @@ def one(chunk: int, args: argparse.Namespace) -> dict:
     from omegaconf import OmegaConf
 
     from distill.losses import HiddenTeacher
-    from distill.tiny import tiny_model
+    from specdec.tiny import tiny_model
     from distill.train import DraftLoss
 
     torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .drafters import Drafter
 from .features import FeatureTaps
 from .heads import FeatureHead
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import logits_to_probs, sample
 
 
 class HeadCache:

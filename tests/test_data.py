@@ -19,7 +19,7 @@ from distill.data import (
     prompt_token_limit,
     render_prompt,
 )
-from distill.tiny import tiny_tokenizer
+from specdec.tiny import tiny_tokenizer
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
 ROWS = [

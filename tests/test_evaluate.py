@@ -12,7 +12,7 @@ from distill import evaluate
 from distill import report as rpt
 from distill.config import ConfigError
 from distill.models import load_target
-from distill.tiny import tiny_draft, tiny_model, tiny_tokenizer
+from specdec.tiny import tiny_draft, tiny_model, tiny_tokenizer
 from specdec.decoder import SpeculativeDecoder
 from specdec.metrics import SpecMetrics
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill import checkpoint as ck
-from distill import evaluate, generate, publish, train
+from distill import evaluate, generate, publish, records, train
 from distill.config import ConfigError, DataConfig, ModelConfig, unknown_keys
 from distill.data import load_prompts
 from distill.models import TokenizerMismatch, load_target, resolve_model_path
-from distill.tiny import tiny_model, tiny_tokenizer
+from specdec.tiny import tiny_model, tiny_tokenizer
 from distill.train import TrainingDiverged
 from distill.utils import cli
 from specdec import hub
@@ -390,16 +390,16 @@ def no_space(real, fail_on: int):
 def test_full_disk_while_generating_is_one_message_and_keeps_the_written_shards(gen, tmp_path, monkeypatch, capsys):
     cfg = make_cfg(tmp_path, "full", gen["prompts"], "generate.shard_size=8", stage="generate")
     out = tmp_path / "full" / "generate"
-    monkeypatch.setattr(generate.pq, "write_table", no_space(generate.pq.write_table, fail_on=2))
+    monkeypatch.setattr(records.pq, "write_table", no_space(records.pq.write_table, fail_on=2))
     with pytest.raises(SystemExit) as exc:
         cli(generate.run, cfg)
     msg = one_error(capsys.readouterr().err)
     assert exc.value.code == 2 and re.search(r"no space left on the device while writing \S+shard-r0-00001.parquet", msg)
     assert [p.name for p in out.iterdir()] == ["shard-r0-00000.parquet"]  # no half shard, no temp file
-    assert len(generate.load_generated(out)) == 8
+    assert len(records.load_generated(out)) == 8
     monkeypatch.undo()  # space freed: the rerun keeps the 8 records and makes the rest, as one run would
     generate.run(cfg)
-    done, ref = generate.load_generated(out), generate.load_generated(gen["dir"])
+    done, ref = records.load_generated(out), records.load_generated(gen["dir"])
     assert done["id"] == ref["id"] and done["response_ids"] == ref["response_ids"]
 
 

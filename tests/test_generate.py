@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 
 from distill import generate
 from distill.config import ConfigError
-from distill.generate import load_generated, run
+from distill.generate import run
+from distill.records import load_generated
 from distill.models import load_target, load_tokenizer, resolve_model_path
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

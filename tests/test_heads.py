@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from distill.tiny import tiny_model
+from specdec.tiny import tiny_model
 from specdec import SamplingParams, SpeculativeDecoder, autoregressive_generate
 from specdec.features import FeatureTaps
 from specdec.head_drafter import HeadDrafter, head_replay_proposals

@@ -45,7 +45,7 @@ def test_head_loss_falls_and_best_is_a_loadable_head(gen, tmp_path):
     assert json.loads((out / "best" / "best.json").read_text())["step"] == s["best_step"]
     # the held-out α_TF recorded for best/ is what the reloaded head measures (the measure is the head's own)
     from distill.batches import holdout_reference, split_holdout, to_examples
-    from distill.generate import load_generated
+    from distill.records import load_generated
     from distill.heads_train import target_pass
     from distill.losses import VocabSubset
     from specdec.features import FeatureTaps

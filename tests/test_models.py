@@ -18,7 +18,7 @@ from distill.models import (
     shared_vocab_size,
     tokenizer_fingerprint,
 )
-from distill.tiny import tiny_model, tiny_tokenizer
+from specdec.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture

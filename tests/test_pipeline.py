@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from distill import pipeline
 from distill.config import ConfigError
-from distill.generate import load_generated
+from distill.records import load_generated
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from distill import publish
 from distill.config import ConfigError
 from distill.models import draft_from_target, load_model, load_tokenizer
-from distill.tiny import tiny_draft
+from specdec.tiny import tiny_draft
 from distill.utils import read_json
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -387,7 +387,7 @@ EAGLE3_TENSORS = {
 def test_head_is_staged_as_an_eagle3_checkpoint(tmp_path, run):
     from safetensors.torch import load_file
 
-    from distill.tiny import tiny_model
+    from specdec.tiny import tiny_model
     from specdec.heads import FeatureHead, load_head
 
     target = tiny_model(seed=0, num_layers=8)  # 8 layers: EAGLE-3's own choice, the states entering 2, 4 and 5

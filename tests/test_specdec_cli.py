@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from distill.tiny import tiny_draft, tiny_model, tiny_tokenizer
+from specdec.tiny import tiny_draft, tiny_model, tiny_tokenizer
 from specdec.__main__ import main
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.tiny import tiny_draft, tiny_model
+from specdec.tiny import tiny_draft, tiny_model
 from specdec import (
     Drafter,
     GammaPolicy,

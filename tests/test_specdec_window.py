@@ -1,7 +1,7 @@
 """Sliding-window models in the speculative decoder: caches that roll back past the window, and the
 window counted in each row's real tokens when rows have holes.
 
-Tiny random models with 16-token windows (distill.tiny.ZOO): Mistral (every layer windowed, SDPA),
+Tiny random models with 16-token windows (specdec.tiny.ZOO): Mistral (every layer windowed, SDPA),
 Gemma 2 (windowed and full layers alternating, eager attention: additive masks), Qwen2 (layer 0 full,
 the rest windowed). Every sequence here runs 4+ windows long.
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_specdec_decoder import _exact_first_two, _g_test, _prompts
 
-from distill.tiny import WINDOW, tiny_draft, tiny_zoo_model
+from specdec.tiny import WINDOW, tiny_draft, tiny_zoo_model
 from specdec import SamplingParams, SpeculativeDecoder
 from specdec.decoder import left_pad
 from specdec.kv import KVModel, attention_windows

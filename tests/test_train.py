@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from distill import checkpoint as ck
-from distill import generate, train
+from distill import generate, records, train
 from distill.config import ConfigError
 from distill.train import TrainingDiverged
 
@@ -135,7 +135,7 @@ def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
 def test_best_gets_the_logit_scale_with_the_highest_holdout_alpha(gen, tmp_path):
     """train.calibrate: best/ is the best checkpoint with its logits scaled by the s of highest holdout α_TF."""
     from distill.batches import split_holdout, teacher_forced_acceptance_on, to_examples
-    from distill.generate import load_generated
+    from distill.records import load_generated
     from distill.models import load_draft, load_model, load_target
     from distill.train import LOGIT_SCALES
 
@@ -308,14 +308,14 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatc
 def test_a_draft_of_other_records_is_not_resumed(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "data", "train.max_steps=2")
     first = train.run(cfg)
-    assert first["data"] == generate.data_key(tmp_path / "data")
+    assert first["data"] == records.data_key(tmp_path / "data")
     shard = sorted((tmp_path / "data" / "generate").glob("*.parquet"))[-1]
     t = pq.read_table(shard)
     pq.write_table(t.slice(0, t.num_rows - 2), shard)  # the run's records change (here: two fewer)
     with pytest.raises(ConfigError, match="train.resume=never"):
         train.run(cfg)
     again = train.run(make_cfg(tmp_path, "data", gen["prompts"], "train.max_steps=2", "train.resume=never"))
-    assert again["done"] and again["data"] == generate.data_key(tmp_path / "data") != first["data"]
+    assert again["done"] and again["data"] == records.data_key(tmp_path / "data") != first["data"]
     assert train.run(cfg)["data"] == again["data"]  # and now resumes (done) as usual
 
 
@@ -349,7 +349,7 @@ def test_bad_input(gen, tmp_path):
 
 def test_examples_from_a_selected_view_are_those_rows(gen):
     from distill.batches import to_examples
-    from distill.generate import load_generated
+    from distill.records import load_generated
 
     ds = load_generated(gen["dir"].parent)
     full = {e.id: e for e in to_examples(ds, 512, with_topk=True)}
@@ -363,9 +363,10 @@ def test_examples_from_a_selected_view_are_those_rows(gen):
 def test_draft_vocabulary_trains_and_scores_q_as_decoded(gen, tmp_path):
     """model.draft_vocab: the loss and α_TF use the draft's softmax over the run's most used ids."""
     from distill.batches import holdout_reference, measure_alpha, split_holdout, to_examples
-    from distill.generate import load_generated
+    from distill.records import load_generated
     from distill.losses import VocabSubset
-    from distill.models import load_model, load_target, run_draft_vocab
+    from distill.models import load_model, load_target
+    from distill.records import run_draft_vocab
 
     cfg = setup_run(gen, tmp_path, "dv", "model.draft_vocab=40", "train.teacher=topk", "train.eval_every=1")
     s = train.run(cfg)
@@ -398,13 +399,13 @@ def test_draft_vocabulary_trains_and_scores_q_as_decoded(gen, tmp_path):
 def test_schedule_decays_over_the_time_budget_when_it_ends_the_run_first():
     from types import SimpleNamespace
 
-    from distill.train import _schedule
+    from distill.training import schedule
 
     clock = {"s": 0.0}
     for name, half in (("linear", 0.5), ("cosine", 0.5), ("constant", 1.0)):
         t = SimpleNamespace(warmup_steps=2, max_steps=1000, time_budget_min=1.0, schedule=name)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        sched = _schedule(opt, t, lambda: clock["s"])
+        sched = schedule(opt, t, lambda: clock["s"])
         f = sched.lr_lambdas[0]
         clock["s"] = 0.0
         assert (f(0), f(1), f(2)) == (0.0, 0.5, 1.0)  # warm-up, then the full rate
@@ -413,7 +414,7 @@ def test_schedule_decays_over_the_time_budget_when_it_ends_the_run_first():
         clock["s"] = 60.0
         assert f(12) == pytest.approx(0.0 if name != "constant" else 1.0)
     t = SimpleNamespace(warmup_steps=0, max_steps=10, time_budget_min=None, schedule="linear")
-    f = _schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), t, lambda: 1e9).lr_lambdas[0]
+    f = schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), t, lambda: 1e9).lr_lambdas[0]
     assert f(5) == pytest.approx(0.5)  # no budget: steps alone
 
 
@@ -424,7 +425,7 @@ def test_prompt_ce_adds_the_drafts_language_model_loss_on_prompt_tokens():
 
     from distill.batches import Example, collate
     from distill.losses import DenseTeacher, VocabSubset
-    from distill.tiny import tiny_model
+    from specdec.tiny import tiny_model
 
     torch.manual_seed(0)
     draft = tiny_model(seed=1).eval()

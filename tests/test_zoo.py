@@ -1,4 +1,4 @@
-"""The model zoo: every architecture family in distill.tiny.ZOO (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3,
+"""The model zoo: every architecture family in specdec.tiny.ZOO (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3,
 Mistral, Phi-3, GPT-NeoX) as a tiny random model built here (4 layers, hidden 64, 259 ids, 16-token
 windows where the family has them). For each: a draft made of target layers, speculative decoding
 token-identical to the target's own greedy output 4+ windows long, and a save/load round trip of the
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from distill import pipeline
 from distill.models import draft_from_target, load_model
-from distill.tiny import WINDOW, ZOO, tiny_tokenizer, tiny_zoo_model
+from specdec.tiny import WINDOW, ZOO, tiny_tokenizer, tiny_zoo_model
 from specdec import SpeculativeDecoder
 from test_specdec_decoder import _prompts
 
@@ -93,7 +93,7 @@ def test_a_base_model_runs_the_pipeline_with_a_plain_template_and_stop_strings(t
     from omegaconf import OmegaConf
 
     from distill.data import encode_prompt, load_prompts
-    from distill.generate import load_generated
+    from distill.records import load_generated
 
     fmt = "Question: {prompt}\nAnswer:"
     target = tiny_zoo_model("qwen2", seed=0, num_layers=4)

@@ -3,7 +3,7 @@
 Nothing here downloads. The tokenizer is byte-level (every string round-trips) with ChatML special
 tokens and a chat template, so the same code paths as SmolLM2 (a Llama model with ChatML) run on it.
 
-    from distill.tiny import tiny_tokenizer, tiny_model
+    from specdec.tiny import tiny_tokenizer, tiny_model
     tok = tiny_tokenizer(); target = tiny_model(seed=0); draft = tiny_draft(target, noise=0.5)
     gemma = tiny_zoo_model("gemma2", num_layers=4)   # other families (ZOO), windows of 16 tokens
 """
