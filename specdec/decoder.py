@@ -167,16 +167,17 @@ def autoregressive_generate(
     stop_token_ids: Sequence[int] | None = None,
     pad_token_id: int | None = None,
     vocab_size: int | None = None,
+    fast: str | bool = "auto",
 ) -> DecodeResult:
     """Plain KV-cached decoding with the model alone, one token per forward call: the speed baseline
     and the measurement of one target step (metrics.target_step_s). Same conventions as
-    SpeculativeDecoder.generate (eos_token_id None = the model's own)."""
+    SpeculativeDecoder.generate (eos_token_id None = the model's own); fast: KVModel's."""
     params = SamplingParams(temperature, top_k, top_p)
     device = model_device(model)
     stop = _as_id_set(_default_eos(model) if eos_token_id is None else eos_token_id, stop_token_ids)
     pad = _default_pad(model, stop) if pad_token_id is None else pad_token_id
     ids, mask = left_pad(input_ids, attention_mask, pad, device)
-    kv = KVModel(model, vocab_size)
+    kv = KVModel(model, vocab_size, fast)
     _check_common(max_new_tokens, kv.vocab_size, ids)
     B = ids.shape[0]
     metrics = SpecMetrics(batch_size=B, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -278,8 +279,9 @@ class SpeculativeDecoder:
     draft logits have different widths, e.g. padded embedding rows: pass len(tokenizer)).
     lazy_head: apply the target's LM head only to positions up to each row's first rejection
     (verify_lazy_head), for models whose logits are exactly head(body(x)). Off by default: with the
-    small-rows kernels of specdec.kv, one head pass over all γ+1 positions costs about as much as a
-    single per-position pass on CPU (docs/measurements.md, "The lazy LM head").
+    small-rows kernels (specdec.small_rows), one head pass over all γ+1 positions costs about as much as
+    a single per-position pass on CPU (docs/measurements.md, "The lazy LM head"). fast: the target's
+    KVModel option ("auto": the CPU fast paths where they apply; False: none).
     """
 
     def __init__(
@@ -294,8 +296,9 @@ class SpeculativeDecoder:
         pad_token_id: int | None = None,
         vocab_size: int | None = None,
         lazy_head: bool | None = None,
+        fast: str | bool = "auto",
     ):
-        self.target = target
+        self.target, self.fast = target, fast
         self.lazy_head = lazy_head
         self._lazy: bool | None = None
         self.drafter = drafter if isinstance(drafter, Drafter) else ModelDrafter(drafter)
@@ -357,7 +360,7 @@ class SpeculativeDecoder:
             top_k=top_k, top_p=top_p, draft_sampled=drafter.samples and not params.greedy,
         )
         gen = torch.Generator(device=device).manual_seed(seed)
-        target = KVModel(self.target, self.vocab_size)
+        target = KVModel(self.target, self.vocab_size, self.fast)
         if self._lazy is None:  # decided once: asked for and the model passes the check
             self._lazy = bool(self.lazy_head and target.lazy_head_ok)
         verify_fn = verify_lazy_head if self._lazy else verify

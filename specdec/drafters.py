@@ -149,11 +149,12 @@ class ModelDrafter(Drafter):
     draft's argmax (False; lossless too, with a one-hot q). Under greedy decoding it is always argmax.
     vocab: token ids the draft may propose (its LM head is applied to these rows only; see the module
     docstring); None = the whole vocabulary. Needs a model whose logits are head(last hidden state).
+    fast: its KVModel option ("auto" or False).
     """
 
     def __init__(self, model: torch.nn.Module, sample: bool = True,
-                 vocab: torch.Tensor | Sequence[int] | None = None):
-        self.model = model
+                 vocab: torch.Tensor | Sequence[int] | None = None, fast: str | bool = "auto"):
+        self.model, self.fast = model, fast
         self.vocab_width = logits_width(model)
         self.samples = sample
         self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten().unique()
@@ -169,7 +170,7 @@ class ModelDrafter(Drafter):
         self._k = 0
 
     def begin(self, context_ids: torch.Tensor, context_mask: torch.Tensor, vocab_size: int) -> None:
-        self.kv = KVModel(self.model, vocab_size)
+        self.kv = KVModel(self.model, vocab_size, self.fast)
         self._vocab_size = vocab_size
         if self.vocab is not None:
             if int(self.vocab[-1]) >= vocab_size:

@@ -7,7 +7,7 @@
 Layer id j records the residual stream *entering* decoder layer j (the output of layer j - 1), as
 vLLM's EAGLE-3 capture does. Both forwards are covered: the model's own (a forward pre-hook on each
 chosen decoder layer) and kv.py's lean forward (which calls no layer module; it reports through
-kv.FEATURE_TAPS).
+lean.FEATURE_TAPS).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .kv import FEATURE_TAPS
+from .lean import FEATURE_TAPS
 
 
 class FeatureTaps:

@@ -23,382 +23,23 @@ Works with transformers 4.46+ (``past_key_values=``) and 5.x (``cache=``).
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
-import time
-import weakref
-from typing import Iterator
-
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
-try:
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-except ImportError:  # transformers 4.x before per-layer cache objects: plain DynamicCache
-    DynamicLayer = DynamicSlidingWindowLayer = None
-
-# Layer types whose cache KVModel keeps (and rolls back) as one growing full-length layer.
-_ATTENTION_TYPES = ("full_attention", "sliding_attention")
-
-
-def _forward_kwargs(model: torch.nn.Module) -> tuple[str, str | None]:
-    """Name of the cache argument and of the keep-only-last-logits argument of ``model.forward``."""
-    params = inspect.signature(model.forward).parameters
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    keep_arg = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
-    return cache_arg, keep_arg
-
-
-def logits_width(model: torch.nn.Module) -> int:
-    """Number of logit columns the model produces (may exceed the tokenizer size: padded embeddings)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and getattr(head, "weight", None) is not None:
-        return int(head.weight.shape[0])
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(cfg.vocab_size)
-
-
-if DynamicLayer is not None:
-
-    class GrowingLayer(DynamicLayer):
-        """A full-attention cache layer whose keys/values are views into buffers with spare columns, so
-        a step writes its new columns in place; DynamicLayer concatenates, copying the whole cache every
-        step (about 15 MB per layer and step for 32 rows of 300 tokens in SmolLM2-135M).
-
-        Cropping keeps the buffer (a shorter view). Anything that replaces keys/values (row selection,
-        KVModel.absorb) is noticed on the next update and copied into a fresh buffer.
-        """
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self._bufs = None
-            n, q = self.get_seq_length(), key_states.shape[-2]
-            buf = self._bufs[0] if self._bufs is not None else None
-            if (buf is None or n + q > buf.shape[-2] or buf.shape[:-2] != key_states.shape[:-2]
-                    or (n and self.keys.data_ptr() != buf.data_ptr())):
-                cap = n + q + max(128, (n + q) // 2)
-                self._bufs = tuple(s.new_empty(*s.shape[:-2], cap, s.shape[-1]) for s in (key_states, value_states))
-                if n:
-                    self._bufs[0][..., :n, :] = self.keys
-                    self._bufs[1][..., :n, :] = self.values
-            kb, vb = self._bufs
-            kb[..., n : n + q, :] = key_states
-            vb[..., n : n + q, :] = value_states
-            self.keys, self.values = kb[..., : n + q, :], vb[..., : n + q, :]
-            return self.keys, self.values
-
-
-def _full_attention_layers(cache: DynamicCache) -> list:
-    """The cache's layers if each is a full-attention DynamicLayer (transformers 5.x), else []."""
-    layers = list(getattr(cache, "layers", None) or [])
-    ok = DynamicLayer is not None and all(isinstance(x, DynamicLayer) and not x.is_sliding for x in layers)
-    return layers if ok else []
-
-
-def _text_config(model: torch.nn.Module):
-    cfg = model.config
-    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-
-
-def attention_windows(model: torch.nn.Module) -> dict[str, int | None]:
-    """Sliding windows of the model's attention layers: {layer type: window, or None for full attention};
-    {} when no layer has a window (or transformers is 4.x, whose DynamicCache keeps every column anyway).
-
-    Read from the cache transformers builds for the model, so it follows the same config rules
-    (layer_types, use_sliding_window, max_window_layers). Raises NotImplementedError for layer kinds
-    whose cache cannot be rolled back by dropping columns (linear attention, chunked attention, shared KV).
-    """
-    if DynamicLayer is None:
-        return {}
-    try:
-        layers = DynamicCache(config=model.config).layers
-    except TypeError:
-        return {}
-    cfg = _text_config(model)
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if not types:  # Mistral, Phi-3: every layer sliding when config.sliding_window is set
-        types = ["sliding_attention" if x.is_sliding else "full_attention" for x in layers]
-    kinds = {type(x) for x in layers}
-    if not kinds <= {DynamicLayer, DynamicSlidingWindowLayer} or not set(types) <= set(_ATTENTION_TYPES):
-        raise NotImplementedError(
-            f"speculative decoding needs attention caches that can be rolled back (full or sliding-window "
-            f"attention); {type(model).__name__} has layer types {sorted(set(types))} with caches "
-            f"{sorted(k.__name__ for k in kinds)}"
-        )
-    windows = {t: (x.sliding_window if x.is_sliding else None) for t, x in zip(types, layers)}
-    return windows if any(w is not None for w in windows.values()) else {}
-
-
-def new_cache(model: torch.nn.Module) -> DynamicCache:
-    """An empty cache for ``model`` whose full and sliding-window attention layers all keep every
-    column (GrowingLayer), so that any number of trailing columns can be dropped (see the module
-    docstring); other layer kinds are left as transformers builds them."""
-    try:
-        cache = DynamicCache(config=model.config)  # 5.x: layer types (sliding window, ...) from the config
-    except TypeError:
-        return DynamicCache()
-    layers = getattr(cache, "layers", None)
-    if DynamicLayer is not None and layers and all(type(x) in (DynamicLayer, DynamicSlidingWindowLayer)
-                                                   for x in layers):
-        cache.layers = [GrowingLayer() for _ in layers]
-    return cache
-
-
-# -- multi-token steps on CPU: faster kernels for a few rows ---------------------------------------
-# A verify pass feeds γ+1 tokens per row. CPU BLAS serves one row (gemv) near memory bandwidth but a
-# handful of rows (sgemm) through a path that repacks the weight on every call, so verifying 5 tokens
-# can cost well over a decoding step where the weights' memory traffic says ~1×. Two remedies, same math:
-# - from PACKED_MIN_ROWS rows, MKL's prepacked GEMM: each weight is packed once per row count and
-#   kept (a copy of the weights per row count in use; rebuilt when a weight changes in place);
-# - below that, the transposed product (W @ xᵀ)ᵀ where it is faster, timed once per
-#   (weight shape, rows, threads) on the real weight.
-# Packing is faster at 5 rows and slower at 2, hence the threshold; mechanism: docs/decoder.md, "CPU fast
-# paths"; timings: docs/measurements.md.
-SMALL_ROWS = 16  # inputs of 2..SMALL_ROWS rows are candidates
-PACKED_MIN_ROWS = 4
-_CHOICE: dict[tuple, bool] = {}  # (out, in, rows, threads, dtype) -> use the transposed product
-_plain_linear_forward = torch.nn.Linear.forward
-
-
-_PACKING = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-_PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, dict]" = weakref.WeakKeyDictionary()
-
-
-def _packed_weight(layer: torch.nn.Linear, rows: int) -> torch.Tensor:
-    """layer.weight packed by MKL for `rows`-row inputs, kept while the layer lives (keyed by the
-    weight's storage and in-place version, so an updated weight is packed again)."""
-    w = layer.weight
-    key = (rows, w.data_ptr(), w._version)
-    cache = _PACKED.setdefault(layer, {})
-    packed = cache.get(key)
-    if packed is None:
-        for k in [k for k in cache if k[0] == rows]:
-            del cache[k]
-        packed = cache[key] = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
-    return packed
-
-
-def _transposed(weight: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-    return (weight @ x2d.t()).t()
-
-
-def _faster_transposed(weight: torch.Tensor, x2d: torch.Tensor, reps: int = 5) -> bool:
-    def best(fn) -> float:
-        fn()  # warm
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return best(lambda: _transposed(weight, x2d)) < 0.9 * best(lambda: F.linear(x2d, weight))
-
-
-def _small_rows_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // max(x.shape[-1], 1)
-    w = self.weight
-    if 1 < rows <= SMALL_ROWS and x.device.type == "cpu" and w.dim() == 2 and not torch.is_grad_enabled():
-        x2d = x.reshape(rows, x.shape[-1])
-        if _PACKING and rows >= PACKED_MIN_ROWS and w.dtype == torch.float32:
-            y = torch.ops.mkl._mkl_linear(x2d.contiguous(), _packed_weight(self, rows), w, self.bias, rows)
-            return y.reshape(*x.shape[:-1], w.shape[0])
-        key = (*w.shape, rows, torch.get_num_threads(), w.dtype)
-        use = _CHOICE.get(key)
-        if use is None:
-            use = _CHOICE[key] = _faster_transposed(w, x2d)
-        if use:
-            y = _transposed(w, x2d)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], w.shape[0])
-    return _plain_linear_forward(self, x)
-
-
-def plain_kernels_suffice(rows: int) -> bool:
-    """Whether small_rows_kernels gains nothing at this row count: below the packed GEMM's threshold,
-    and every weight timed at it chose the plain kernel (the wrapper alone then costs ~3% of a
-    2-token step: ~200 Linear calls, a few µs each)."""
-    if _PACKING and rows >= PACKED_MIN_ROWS:
-        return False
-    threads = torch.get_num_threads()
-    timed = [use for (_, _, r, t, _), use in _CHOICE.items() if r == rows and t == threads]
-    return bool(timed) and not any(timed)
-
-
-@contextlib.contextmanager
-def small_rows_kernels(enabled: bool = True) -> Iterator[None]:
-    """Within this context, nn.Linear layers on 2..SMALL_ROWS CPU rows use the faster of two kernels."""
-    if not enabled or torch.nn.Linear.forward is not _plain_linear_forward:
-        yield
-        return
-    torch.nn.Linear.forward = _small_rows_linear_forward
-    try:
-        yield
-    finally:
-        torch.nn.Linear.forward = _plain_linear_forward
-
-
-# -- a lean forward for Llama-style models ----------------------------------------------------------
-# The same math as transformers' Llama/Qwen2 forward (its own modules: norms, rotary embedding,
-# projections, MLP; SDPA with grouped KV heads), without the per-call machinery around it (mask
-# builders, output records, kwargs plumbing); masked cache columns (left padding, a row's rejected
-# tokens) become a boolean SDPA mask. Whether a model qualifies is checked once by comparing both
-# forwards on a short two-row input, one row left-padded.
-# On SmolLM2-135M the logits are bit-identical and every step is faster (docs/measurements.md).
-_LEAN_TYPES = ("llama", "qwen2")
-_LEAN_OK: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-# On CPU the lean forward runs q_proj, k_proj and v_proj as one Linear (a stacked copy of the three
-# weights, 12% of SmolLM2-135M's parameters) and applies rotary embeddings to q and k at once: fewer,
-# larger kernels, the same logits, slightly faster steps (docs/measurements.md). Stacking gate_proj and
-# up_proj as well made steps slower, so the MLP keeps its own Linears.
-_QKV: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _fused_qkv(attn: torch.nn.Module) -> torch.nn.Linear | None:
-    """One Linear computing q_proj, k_proj and v_proj at once (their weights stacked), kept while the
-    attention module lives and rebuilt when a weight or bias changes; None off CPU, with autograd on
-    (the copy carries no gradient to the three weights) or if their biases are mixed."""
-    if attn.q_proj.weight.device.type != "cpu" or torch.is_grad_enabled():
-        return None
-    parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-    key = tuple((t.data_ptr(), t._version) if t is not None else None for p in parts for t in (p.weight, p.bias))
-    hit = _QKV.get(attn)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    biases = [p.bias for p in parts]
-    if len({b is None for b in biases}) > 1:  # mixed
-        fused = None
-    else:
-        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors: packed kernels key on _version
-            w = torch.cat([p.weight for p in parts])
-            fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=biases[0] is not None, device=w.device,
-                                    dtype=w.dtype).requires_grad_(False)
-            fused.weight.copy_(w)
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat(biases))
-    _QKV[attn] = (key, fused)
-    return fused
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
-
-
-# Feature taps (specdec.features.FeatureTaps): model -> an object whose record(i, h) receives the residual
-# stream entering decoder layer i; the lean forward calls no layer module, so forward hooks cannot see it.
-FEATURE_TAPS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
-
-
-def lean_hidden(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, cache, keep: int,
-                cols: torch.Tensor | None = None):
-    """Final hidden states [B, keep, H] of the last `keep` of tokens [B, q], appending to `cache`.
-
-    cols [B, past + q] bool marks the cache columns (old and new) each row may attend to; None means
-    all of them. A masked new token still attends to itself, so its (unused) output stays finite.
-    """
-    from transformers.models.llama.modeling_llama import rotate_half
-
-    body = model.model
-    h = body.embed_tokens(tokens)  # [B, q, H]
-    B, q, _ = h.shape
-    cos, sin = body.rotary_emb(h, position_ids)  # [B, q, D]
-    cos, sin = cos[:, None], sin[:, None]
-    past = cache.get_seq_length()
-    mask = None
-    if cols is not None or (q > 1 and past > 0):
-        mask = torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)  # causal
-    if cols is not None:  # [B, 1, q, past + q]: causal, without the masked columns, diagonal always kept
-        diag = torch.zeros_like(mask)
-        diag[:, past:] = torch.eye(q, dtype=torch.bool, device=h.device)
-        mask = ((cols[:, None, :] & mask) | diag)[:, None]
-    taps = FEATURE_TAPS.get(model)
-    for i, layer in enumerate(body.layers):
-        if taps is not None:
-            taps.record(i, h)
-        attn, mlp = layer.self_attn, layer.mlp
-        x = _rms_norm(layer.input_layernorm, h)
-        qkv = _fused_qkv(attn)
-        if qkv is not None:  # [B, heads + 2 kv heads, q, D]; rotary on the q and k heads at once
-            heads = attn.q_proj.weight.shape[0] // attn.head_dim
-            kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
-            y = qkv(x).view(B, q, -1, attn.head_dim).transpose(1, 2)
-            qk = y[:, : heads + kv_heads]
-            qk = qk * cos + rotate_half(qk) * sin
-            qs, ks, vs = qk[:, :heads], qk[:, heads:], y[:, heads + kv_heads :]
-        else:
-            shape = (B, q, -1, attn.head_dim)
-            qs = attn.q_proj(x).view(shape).transpose(1, 2)  # [B, heads, q, D]
-            ks = attn.k_proj(x).view(shape).transpose(1, 2)  # [B, kv heads, q, D]
-            vs = attn.v_proj(x).view(shape).transpose(1, 2)
-            qs, ks = qs * cos + rotate_half(qs) * sin, ks * cos + rotate_half(ks) * sin
-        ks, vs = cache.update(ks, vs, i)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None and q > 1,
-                                           scale=attn.scaling, enable_gqa=ks.shape[1] != qs.shape[1])
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, q, -1))
-        x = _rms_norm(layer.post_attention_layernorm, h)
-        h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-    return _rms_norm(body.norm, h[:, -keep:])
-
-
-@torch.inference_mode()
-def lean_forward_ok(model: torch.nn.Module) -> bool:
-    """Whether lean_hidden + the LM head reproduce model(...).logits (checked once per model)."""
-    ok = _LEAN_OK.get(model)
-    if ok is None:
-        ok = _LEAN_OK[model] = _check_lean(model)
-    return ok
-
-
-def _check_lean(model: torch.nn.Module) -> bool:
-    cfg = getattr(model, "config", None)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if (getattr(cfg, "model_type", None) not in _LEAN_TYPES or layers is None or not hasattr(model, "lm_head")
-            or any(getattr(cfg, k, None) for k in ("use_sliding_window", "final_logit_softcapping"))
-            or getattr(cfg, "pretraining_tp", 1) != 1
-            or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or []))
-            or any(hasattr(layer.self_attn, "q_norm") for layer in layers)):
-        return False
-    device = model_device(model)
-    try:
-        # two rows, one left-padded (a masked column): 3 tokens, then 1
-        ids = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]], device=device)
-        cols = torch.tensor([[False, True, True, True], [True, True, True, True]], device=device)
-        pos = (cols.long().cumsum(1) - 1).clamp(min=0)
-        cache_arg = _forward_kwargs(model)[0]
-        for holes in (False, True):
-            rows = slice(None) if holes else slice(1, 2)  # without holes: the unpadded row alone
-            x, c, p = ids[rows], cols[rows], pos[rows]
-            ref_cache, lean_cache = new_cache(model), new_cache(model)
-            ref = [model(input_ids=x[:, :3], attention_mask=c[:, :3].long(), position_ids=p[:, :3], use_cache=True,
-                         **{cache_arg: ref_cache}).logits,
-                   model(input_ids=x[:, 3:], attention_mask=c.long(), position_ids=p[:, 3:], use_cache=True,
-                         **{cache_arg: ref_cache}).logits]
-            got = [model.lm_head(lean_hidden(model, x[:, :3], p[:, :3], lean_cache, 3, c[:, :3] if holes else None)),
-                   model.lm_head(lean_hidden(model, x[:, 3:], p[:, 3:], lean_cache, 1, c if holes else None))]
-            real = c[:, :3, None].expand_as(ref[0])  # padded positions' outputs are never used
-            for a, b in ((ref[0][real], got[0][real]), (ref[1], got[1])):
-                if not bool((a - b).abs().max() <= 1e-5 * a.abs().max().clamp(min=1)):
-                    return False
-    except Exception:  # another architecture under a familiar name: use the model's own forward
-        return False
-    return True
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
+from .cache import (  # noqa: F401 (logits_width, model_device: kv's public names)
+    attention_windows, forward_kwargs, full_attention_layers, logits_width, model_device, new_cache, text_config,
+)
+from .lean import lean_forward_ok, lean_hidden
+from .small_rows import plain_kernels_suffice, small_rows_kernels
 
 class KVModel:
     """A causal LM plus its KV cache, per-row positions and a [B, L] mask of the cached columns."""
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, fast: str | bool = "auto"):
+        """fast: "auto" uses the CPU fast paths where they apply (the lean forward when it reproduces the
+        model's logits, the small-rows kernels on CPU; both the same math); False uses neither."""
+        if fast not in ("auto", False):
+            raise ValueError(f"fast must be 'auto' or False (got {fast!r})")
         self.model = model
         self.width = logits_width(model)
         self.vocab_size = vocab_size or self.width
@@ -409,15 +50,15 @@ class KVModel:
             )
         self.device = model_device(model)
         # Multi-token steps (verify, the draft's catch-up) after the prompt: pick the faster small-rows kernel.
-        self.small_rows = self.device.type == "cpu"
-        self._cache_arg, self._keep_arg = _forward_kwargs(model)
+        self.small_rows = fast == "auto" and self.device.type == "cpu"
+        self._cache_arg, self._keep_arg = forward_kwargs(model)
         body = getattr(model, "base_model", None)
-        self._body_cache_arg = _forward_kwargs(body)[0] if body is not None else self._cache_arg
+        self._body_cache_arg = forward_kwargs(body)[0] if body is not None else self._cache_arg
         self._lazy_ok: bool | None = None
-        self.lean = lean_forward_ok(model)  # the lean forward (masked columns included)
+        self.lean = fast == "auto" and lean_forward_ok(model)  # the lean forward (masked columns included)
         self.windows = attention_windows(model)  # {layer type: sliding window | None}; {} = no window
         # Models with per-layer types take one mask per type (a dict); Mistral-style ones a single mask.
-        self._mask_per_type = getattr(_text_config(model), "layer_types", None) is not None
+        self._mask_per_type = getattr(text_config(model), "layer_types", None) is not None
         impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
         if self.windows and impl not in ("sdpa", "eager"):
             raise NotImplementedError(
@@ -598,7 +239,7 @@ class KVModel:
         while its rows decode (continuous batching). Needs the full-length layer caches new_cache builds
         for full and sliding-window attention (transformers 5.x); raises NotImplementedError for others.
         """
-        layers_a, layers_b = _full_attention_layers(self.cache), _full_attention_layers(other.cache)
+        layers_a, layers_b = full_attention_layers(self.cache), full_attention_layers(other.cache)
         if not layers_a or not layers_b:
             raise NotImplementedError("absorb needs transformers 5.x full-attention (DynamicLayer) caches")
         La, Lb = self.length, other.length
@@ -628,7 +269,7 @@ class KVModel:
         costs more the longer the stream runs.
         """
         mask = self.mask[rows]
-        layers = _full_attention_layers(self.cache)
+        layers = full_attention_layers(self.cache)
         first = 0
         if layers and all(x.is_initialized for x in layers):
             live = mask[:, : self.length].any(0)

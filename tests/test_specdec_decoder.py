@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec import cache, lean, small_rows
 from specdec.tiny import tiny_draft, tiny_model
 from specdec import (
     Drafter,
@@ -385,14 +386,14 @@ def test_small_rows_kernels_compute_the_same_linear(transposed, monkeypatch):
 
     lin = torch.nn.Linear(24, 40)
     x = torch.randn(1, 5, 24)
-    monkeypatch.setattr(kv, "_CHOICE", {(40, 24, 5, torch.get_num_threads(), lin.weight.dtype): transposed})
+    monkeypatch.setattr(small_rows, "_CHOICE", {(40, 24, 5, torch.get_num_threads(), lin.weight.dtype): transposed})
     with torch.inference_mode():
         plain = lin(x)
-        with kv.small_rows_kernels():
-            assert torch.nn.Linear.forward is not kv._plain_linear_forward
+        with small_rows.small_rows_kernels():
+            assert torch.nn.Linear.forward is not small_rows._plain_linear_forward
             fast = lin(x)
             one_row = lin(x[:, :1])  # a single row keeps the plain kernel
-    assert torch.nn.Linear.forward is kv._plain_linear_forward  # restored
+    assert torch.nn.Linear.forward is small_rows._plain_linear_forward  # restored
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(one_row, plain[:, :1], rtol=1e-5, atol=1e-6)
 
@@ -401,11 +402,11 @@ def test_small_rows_kernel_choice_is_timed_once_per_shape(monkeypatch):
     from specdec import kv
 
     calls = []
-    monkeypatch.setattr(kv, "_CHOICE", {})
-    monkeypatch.setattr(kv, "_PACKING", False)
-    monkeypatch.setattr(kv, "_faster_transposed", lambda w, x: calls.append((tuple(w.shape), x.shape[0])) or True)
+    monkeypatch.setattr(small_rows, "_CHOICE", {})
+    monkeypatch.setattr(small_rows, "_PACKING", False)
+    monkeypatch.setattr(small_rows, "_faster_transposed", lambda w, x: calls.append((tuple(w.shape), x.shape[0])) or True)
     lin = torch.nn.Linear(8, 16)
-    with torch.inference_mode(), kv.small_rows_kernels():
+    with torch.inference_mode(), small_rows.small_rows_kernels():
         for _ in range(3):
             lin(torch.randn(3, 8))
         lin(torch.randn(2, 3, 8))  # 6 rows: another shape
@@ -416,11 +417,11 @@ def test_small_rows_kernel_choice_is_timed_once_per_shape(monkeypatch):
 def test_kv_model_stops_wrapping_a_row_count_the_plain_kernel_serves(target, transposed_wins, monkeypatch):
     from specdec import kv
 
-    monkeypatch.setattr(kv, "_CHOICE", {})
-    monkeypatch.setattr(kv, "_faster_transposed", lambda w, x: transposed_wins)
+    monkeypatch.setattr(small_rows, "_CHOICE", {})
+    monkeypatch.setattr(small_rows, "_faster_transposed", lambda w, x: transposed_wins)
     wrapped = []
-    real = kv._small_rows_linear_forward
-    monkeypatch.setattr(kv, "_small_rows_linear_forward", lambda self, x: wrapped.append(x.shape) or real(self, x))
+    real = small_rows._small_rows_linear_forward
+    monkeypatch.setattr(small_rows, "_small_rows_linear_forward", lambda self, x: wrapped.append(x.shape) or real(self, x))
     m = kv.KVModel(target)
     with torch.inference_mode():
         m.prefill(torch.tensor([[5, 6, 7, 8]]), torch.ones(1, 4, dtype=torch.bool))
@@ -430,8 +431,8 @@ def test_kv_model_stops_wrapping_a_row_count_the_plain_kernel_serves(target, tra
             m.rollback(2, torch.zeros(1, dtype=torch.long), [0])
             calls = len(wrapped) - before
             assert calls > 0 if transposed_wins or i == 0 else calls == 0
-    assert kv.plain_kernels_suffice(2) is not transposed_wins
-    assert torch.nn.Linear.forward is kv._plain_linear_forward
+    assert small_rows.plain_kernels_suffice(2) is not transposed_wins
+    assert torch.nn.Linear.forward is small_rows._plain_linear_forward
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL prepacked GEMM needs an MKL build")
@@ -441,16 +442,16 @@ def test_packed_kernel_equals_linear_and_repacks_an_updated_weight():
     lin = torch.nn.Linear(24, 40)
     x = torch.randn(2, 3, 24)  # 6 rows: the packed path
     with torch.inference_mode():
-        with kv.small_rows_kernels():
+        with small_rows.small_rows_kernels():
             fast = lin(x)
         torch.testing.assert_close(fast, lin(x), rtol=1e-5, atol=1e-5)
-        assert list(kv._PACKED[lin]) and all(k[0] == 6 for k in kv._PACKED[lin])
+        assert list(small_rows._PACKED[lin]) and all(k[0] == 6 for k in small_rows._PACKED[lin])
         with torch.no_grad():
             lin.weight.mul_(2.0)  # an in-place update (an optimizer step) invalidates the packed copy
-        with kv.small_rows_kernels():
+        with small_rows.small_rows_kernels():
             fast = lin(x)
         torch.testing.assert_close(fast, lin(x), rtol=1e-5, atol=1e-5)
-        assert len(kv._PACKED[lin]) == 1
+        assert len(small_rows._PACKED[lin]) == 1
 
 
 # -- draft vocabulary: the draft's LM head restricted to a token subset ----------------------------
@@ -606,7 +607,7 @@ def test_frequent_tokens_fill_with_single_characters_never_specials():
 def test_lean_forward_equals_the_models_forward(target):
     from specdec import kv
 
-    assert kv.lean_forward_ok(target)
+    assert lean.lean_forward_ok(target)
     ids = torch.tensor(_prompts([9], seed=5))  # [1, 9]
     with torch.inference_mode():
         ref = target(input_ids=ids).logits  # one uncached pass: the reference for every position
@@ -618,7 +619,7 @@ def test_lean_forward_equals_the_models_forward(target):
         again = m.step(ids[:, 8:9])
     torch.testing.assert_close(torch.cat(got, dim=1), ref[:, 4:9], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again, ref[:, 8:9], rtol=1e-4, atol=1e-4)
-    assert all(kv._QKV[layer.self_attn][1] is not None for layer in target.model.layers)  # stacked q, k, v ran
+    assert all(lean._QKV[layer.self_attn][1] is not None for layer in target.model.layers)  # stacked q, k, v ran
 
 
 def test_stacked_qkv_follows_the_weights_and_biases():
@@ -628,10 +629,10 @@ def test_stacked_qkv_follows_the_weights_and_biases():
     x = torch.randn(2, 3, attn.q_proj.in_features)
     def check():
         with torch.inference_mode():
-            fused = kv._fused_qkv(attn)
+            fused = lean._fused_qkv(attn)
             want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
             torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-6)
-            assert kv._fused_qkv(attn) is fused  # kept while nothing changes
+            assert lean._fused_qkv(attn) is fused  # kept while nothing changes
         return fused
 
     first = check()
@@ -644,8 +645,8 @@ def test_stacked_qkv_follows_the_weights_and_biases():
     assert check().bias is not None
     attn.v_proj.bias = None  # mixed biases: no stacking
     with torch.inference_mode():
-        assert kv._fused_qkv(attn) is None
-    assert kv._fused_qkv(tiny_model(seed=3).model.layers[0].self_attn) is None  # autograd on: never stacked
+        assert lean._fused_qkv(attn) is None
+    assert lean._fused_qkv(tiny_model(seed=3).model.layers[0].self_attn) is None  # autograd on: never stacked
 
 
 def test_lean_forward_is_refused_for_other_models(target, monkeypatch):
@@ -653,7 +654,7 @@ def test_lean_forward_is_refused_for_other_models(target, monkeypatch):
 
     other = tiny_model(seed=4)
     other.config.final_logit_softcapping = 30.0  # a feature the lean forward does not model
-    assert not kv.lean_forward_ok(other)
+    assert not lean.lean_forward_ok(other)
     assert not kv.KVModel(other).lean
 
 
@@ -713,16 +714,14 @@ def test_lean_forward_with_masked_columns_and_growing_cache_equal_the_models_for
     with torch.inference_mode():
         fast, got = _kv_script(lambda: kv.KVModel(target), prompts, extra)
         assert fast.lean
-        assert all(isinstance(x, kv.GrowingLayer) for x in fast.cache.layers)
+        assert all(isinstance(x, cache.GrowingLayer) for x in fast.cache.layers)
         ptr = fast.cache.layers[0].keys.data_ptr()
         fast.step(torch.tensor([[20], [21]]))
         assert fast.cache.layers[0].keys.data_ptr() == ptr  # appended in place, not copied
         monkeypatch.setattr(kv, "new_cache", lambda model: DynamicCache(config=model.config))
 
         def reference():  # the model's own forward and transformers' concatenating cache
-            m = kv.KVModel(target)
-            m.lean = False
-            return m
+            return kv.KVModel(target, fast=False)
 
         _, ref = _kv_script(reference, prompts, extra)
     for a, b in zip(got, ref):
