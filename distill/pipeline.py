@@ -42,7 +42,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
 from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, validate
-from distill.publish import fmt_num, pick
+from distill import tables
+from distill.publish import pick
 from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ log = logging.getLogger(__name__)
 # stage name -> the module whose run(cfg) does it
 MODULES = {"generate": "distill.generate", "distill": "distill.train", "evaluate": "distill.evaluate",
            "publish": "distill.publish"}
-# report row name -> label, in table order
-ROWS = {"target": "target alone", "init": "undistilled draft (init)", "best": "distilled draft (best)",
-        "hf_assisted": "HF assisted generation", "prompt_lookup": "prompt lookup (no draft)",
-        "hybrid": "hybrid (prompt lookup + draft)", "head": "feature head (EAGLE-3)"}
 HEADERS = ["eval set", "decoding", "γ", "prompts (timed)", "α [95% CI]", "τ", "tokens/s", "speedup [95% CI]",
            "modeled [95% CI]"]
 
@@ -133,22 +130,13 @@ def headline_rows(report: dict) -> tuple[list[dict], dict]:
 def table_cells(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
-        label = ROWS.get(r["name"]) or f"distilled draft ({r['name']})"
-        if r["name"] == "hf_assisted" and r.get("assistant"):
-            label += f" ({r['assistant']})"
+        label = tables.label(r["name"], r.get("assistant"))
         out.append([str(r["eval_set"]), label, "–" if r["kind"] == "target" else str(r.get("gamma")),
                     f"{r.get('prompts', '–')} ({r.get('timed_prompts', 0)})",
-                    report_mod.ci_cell(r.get("acceptance_rate"), r.get("acceptance_rate_ci"), 3),
-                    fmt_num(r.get("tokens_per_target_call"), ".2f"), fmt_num(r.get("tokens_per_s"), ".1f"),
-                    report_mod.shown(r, "speedup"), report_mod.shown(r, "modeled_speedup")])
+                    tables.ci_cell(r.get("acceptance_rate"), r.get("acceptance_rate_ci"), 3),
+                    tables.num(r.get("tokens_per_target_call"), 2), tables.num(r.get("tokens_per_s"), 1),
+                    tables.shown(r, "speedup"), tables.shown(r, "modeled_speedup")])
     return out
-
-
-def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
-    """A markdown table padded to align in a terminal too."""
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
-    line = lambda cs: "| " + " | ".join(c.ljust(w) for c, w in zip(cs, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(c) for c in cells])
 
 
 def results_markdown(cfg: DictConfig, report: dict, summary: Optional[dict], hc) -> tuple[str, list[list[str]]]:
@@ -163,7 +151,7 @@ def results_markdown(cfg: DictConfig, report: dict, summary: Optional[dict], hc)
         f"Target `{report.get('target')}`, {samp}, batch {setting['batch_size']}, γ = {setting['gamma']} (the best "
         f"draft's), max_new_tokens {st.get('max_new_tokens')}{device}. From `{rd}/evaluate/report.json` "
         f"(every setting and definition is there; `report.md` beside it has the full table).", "",
-        markdown_table(HEADERS, cells), "",
+        tables.markdown(HEADERS, cells), "",
         "α: accepted ÷ tried draft tokens; τ: tokens per target call (both by exact replay over every prompt); "
         "speedup: target-alone wall time ÷ this row's on the timed prompts (HF assisted generation: ÷ transformers "
         "generate() without an assistant); modeled: replayed counts of every prompt × measured costs; [95% bootstrap "
@@ -172,8 +160,8 @@ def results_markdown(cfg: DictConfig, report: dict, summary: Optional[dict], hc)
     if summary:
         i, b = (pick(summary, f"{k}_teacher_forced_acceptance", f"{k}.teacher_forced_acceptance") for k in ("init", "best"))
         if i is not None or b is not None:
-            lines.append(f"Teacher-forced acceptance α_TF on held-out answers: {fmt_num(i, '.3f')} (init) → "
-                         f"{fmt_num(b, '.3f')} (distilled).")
+            lines.append(f"Teacher-forced acceptance α_TF on held-out answers: {tables.num(i, 3)} (init) → "
+                         f"{tables.num(b, 3)} (distilled).")
     if (Path(rd) / "publish" / "README.md").is_file():
         lines.append(f"Upload folder with model card: `{rd}/publish/`.")
     lines += ["", "Command:", "", "```bash", command_line(hc), "```", ""]
@@ -195,10 +183,10 @@ def add_comparison_row(sweep_dir: Path, cfg: DictConfig, report: dict) -> Path:
     """Record this job's headline (report["best"]) and rebuild <sweep dir>/comparison.md from all jobs' rows."""
     b = report.get("best") or {}
     row = {"run": str(cfg.run_name), "cells": [
-        str(cfg.run_name), str(b.get("name", "–")), str(b.get("gamma", "–")), fmt_num(b.get("acceptance_rate"), ".3f"),
-        fmt_num(b.get("teacher_forced_acceptance"), ".3f"), fmt_num(b.get("tokens_per_target_call"), ".2f"),
-        fmt_num(b.get("tokens_per_s"), ".1f"), report_mod.shown(b, "speedup"), report_mod.shown(b, "modeled_speedup"),
-        fmt_num(b.get("init_speedup"), ".2f", "×")]}
+        str(cfg.run_name), str(b.get("name", "–")), str(b.get("gamma", "–")), tables.num(b.get("acceptance_rate"), 3),
+        tables.num(b.get("teacher_forced_acceptance"), 3), tables.num(b.get("tokens_per_target_call"), 2),
+        tables.num(b.get("tokens_per_s"), 1), tables.shown(b, "speedup"), tables.shown(b, "modeled_speedup"),
+        tables.num(b.get("init_speedup"), 2, "×")]}
     rows_dir = sweep_dir / "comparison"
     atomic_write_json(rows_dir / f"{cfg.run_name}.json", row)
     out = sweep_dir / "comparison.md"
@@ -207,7 +195,7 @@ def add_comparison_row(sweep_dir: Path, cfg: DictConfig, report: dict) -> Path:
         rows = [read_json(p) for p in sorted(rows_dir.glob("*.json"))]
         text = (f"# Sweep comparison ({len(rows)} runs)\n\nEach run's best draft, mean over eval sets at greedy, "
                 f"batch 1 (report.json `best`); runs in `{cfg.runs_root}/<run>/`.\n\n"
-                + markdown_table(COMPARE_HEADERS, [r["cells"] for r in rows]) + "\n")
+                + tables.markdown(COMPARE_HEADERS, [r["cells"] for r in rows]) + "\n")
         atomic_write_text(out, text)
     return out
 
@@ -262,7 +250,7 @@ def run(cfg: DictConfig) -> dict:
     summary_path = rd / "distill" / "summary.json"
     text, cells = results_markdown(cfg, report, read_json(summary_path) if summary_path.is_file() else None, hc)
     write_if_changed(rd / "results.md", text)
-    print("\n" + markdown_table(HEADERS, cells) + f"\n\n(written to {rd / 'results.md'})", flush=True)
+    print("\n" + tables.markdown(HEADERS, cells) + f"\n\n(written to {rd / 'results.md'})", flush=True)
     results["results"] = str(rd / "results.md")
     if _is_multirun(hc):
         results["comparison"] = str(add_comparison_row(Path(hc.sweep.dir), cfg, report))

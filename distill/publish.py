@@ -33,6 +33,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
+from distill import tables
 from distill.config import ConfigError, run_dir
 from distill.models import check_tokenizers, load_draft, load_tokenizer
 from distill.records import check_records_owner, run_draft_vocab
@@ -52,7 +53,6 @@ MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "m
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-REFERENCE_ORDER = {"target": 0, "init": 1, "hf_assisted": 3, "prompt_lookup": 4, "hybrid": 5}  # the draft: 2
 
 
 @dataclass
@@ -195,47 +195,28 @@ def supported_speedups(rows: list[dict]) -> list[dict]:
                                    for k in ("speedup", "modeled_speedup"))]
 
 
-def fmt_num(x: Any, fmt: str, suffix: str = "") -> str:
-    """A number for a table ("–" for missing or NaN)."""
-    return "–" if not isinstance(x, (int, float)) or x != x else f"{x:{fmt}}{suffix}"
-
-
-def sampling(row: dict) -> str:
-    t = row.get("temperature") or 0.0
-    s = "greedy" if t == 0 else f"T={t:g}, top-p={row.get('top_p', 1.0):g}"
-    return s + (", draft sampled" if row.get("draft_sampled") and t else "")
-
-
-def speedup_cell(row: dict, key: str = "speedup") -> str:
-    """A speedup with its 95% interval, or "n.s." for a number the evaluation flagged as noise."""
-    return report_mod.shown(row, key)
-
-
-def row_label(row: dict, draft_name: str = "best") -> str:
-    return {"target": "target alone", "init": "undistilled draft (init)", "prompt_lookup": "prompt lookup",
-            "hybrid": "hybrid (prompt lookup + this draft)",
-            "hf_assisted": "HF assisted generation"}.get(row["name"], f"distilled draft ({row['name']})"
-                                                         if row["name"] == draft_name else row["name"])
-
-
-def eval_table(rows: list[dict], draft_name: str = "best") -> str:
+def eval_table(rows: list[dict]) -> str:
     """A markdown table of report rows: setting, α, τ, tokens/s, speedup, predicted speedup."""
     head = ("| eval set | decoding | sampling | batch | γ | α [95% CI] | τ | tokens/s | speedup [95% CI] | "
             "modeled speedup [95% CI] |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = [
-        f"| {r.get('eval_set')} | {row_label(r, draft_name)} | {sampling(r)} | {r.get('batch_size')} | "
+        f"| {r.get('eval_set')} | {tables.label(r['name'])} | {_sampling(r)} | {r.get('batch_size')} | "
         f"{'–' if r.get('kind') == 'target' else r.get('gamma', '–')} | "
-        f"{report_mod.ci_cell(r.get('acceptance_rate'), r.get('acceptance_rate_ci'), 3)} | "
-        f"{fmt_num(r.get('tokens_per_target_call'), '.2f')} | {fmt_num(r.get('tokens_per_s'), '.1f')} | "
-        f"{speedup_cell(r)} | {speedup_cell(r, 'modeled_speedup')} |"
+        f"{tables.ci_cell(r.get('acceptance_rate'), r.get('acceptance_rate_ci'), 3)} | "
+        f"{tables.num(r.get('tokens_per_target_call'), 2)} | {tables.num(r.get('tokens_per_s'), 1)} | "
+        f"{tables.shown(r, 'speedup')} | {tables.shown(r, 'modeled_speedup')} |"
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
 
 
+def _sampling(row: dict) -> str:
+    return tables.sampling(row.get("temperature"), row.get("top_p"), bool(row.get("draft_sampled")))
+
+
 def sort_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (str(r.get("eval_set")), r.get("temperature") or 0.0, r.get("batch_size") or 1,
-                                       r.get("gamma") or 0, REFERENCE_ORDER.get(r.get("name"), 2), str(r.get("name"))))
+                                       r.get("gamma") or 0, tables.order(r.get("name")), str(r.get("name"))))
 
 
 # ---------------------------------------------------------------- the model card
@@ -270,8 +251,8 @@ def _training_section(cfg: DictConfig, prev: Optional[dict], summary: Optional[d
         best_tf = pick(summary, "best_teacher_forced_acceptance", "best.teacher_forced_acceptance", "best_alpha_tf")
         step = pick(summary, "best_step", "best.step")
         if init_tf is not None or best_tf is not None:
-            lines.append(f"- **teacher-forced acceptance α_TF** on held-out answers: {fmt_num(init_tf, '.3f')} before "
-                         f"distillation → {fmt_num(best_tf, '.3f')} after" + (f" (step {step})" if step is not None else ""))
+            lines.append(f"- **teacher-forced acceptance α_TF** on held-out answers: {tables.num(init_tf, 3)} before "
+                         f"distillation → {tables.num(best_tf, 3)} after" + (f" (step {step})" if step is not None else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -314,17 +295,17 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
                     f"from a Q4_1 GGUF file; acceptance with the original weights may differ slightly.)\n")
     body.append("## Evaluation\n")
     if best is not None:
-        body.append(f"Best setting: **{best.get('eval_set')}, {sampling(best)}, batch {best.get('batch_size')}, "
-                    f"γ={best.get('gamma')}: α={fmt_num(best.get('acceptance_rate'), '.3f')}, "
-                    f"τ={fmt_num(best.get('tokens_per_target_call'), '.2f')}, speedup {speedup_cell(best)} measured, "
-                    f"{speedup_cell(best, 'modeled_speedup')} modeled**.\n")
+        body.append(f"Best setting: **{best.get('eval_set')}, {_sampling(best)}, batch {best.get('batch_size')}, "
+                    f"γ={best.get('gamma')}: α={tables.num(best.get('acceptance_rate'), 3)}, "
+                    f"τ={tables.num(best.get('tokens_per_target_call'), 2)}, speedup {tables.shown(best, 'speedup')} measured, "
+                    f"{tables.shown(best, 'modeled_speedup')} modeled**.\n")
     elif rows:
         body.append("No speedup that the evaluation can support: every speedup below is flagged as noise (n.s.) by "
                     "the evaluation's doctor.\n")
     if report:
-        shown = sort_rows(rows + [r for r in report.get("rows", []) if r.get("name") in REFERENCE_ORDER
+        shown = sort_rows(rows + [r for r in report.get("rows", []) if r.get("name") in tables.ORDER
                                   and not r.get("error")])
-        body.append(eval_table(shown, src.name))
+        body.append(eval_table(shown))
         defs = report.get("definitions", {})
         keys = ("acceptance_rate", "tokens_per_target_call", "speedup", "modeled_speedup", "flagged")
         body.append("\n".join(f"- `{k}`: {defs[k]}" for k in keys if k in defs) + "\n")

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import matplotlib
 
@@ -20,6 +20,7 @@ matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from distill import tables  # noqa: E402
 from distill.utils import atomic_write_text  # noqa: E402
 from specdec.metrics import predicted_speedup  # noqa: E402
 
@@ -77,14 +78,6 @@ def _color(text: str, code: str, stream=sys.stdout) -> str:
 
 def red(text: str) -> str:
     return _color(text, "31;1", sys.stderr)
-
-
-def _f(x: Any, digits: int = 2, suffix: str = "") -> str:
-    return "–" if not isinstance(x, (int, float)) or x != x else f"{x:.{digits}f}{suffix}"
-
-
-def _sampling(t: Any, top_p: Any = 1.0) -> str:
-    return "greedy" if not t else f"T={t:g}" + (f", top-p {top_p:g}" if top_p not in (None, 1, 1.0) else "")
 
 
 def _ok_rows(report: dict) -> list[dict]:
@@ -163,20 +156,6 @@ COLUMNS = ["draft", "set", "sampling", "γ", "batch", "prompts (timed)", "α [95
            "speedup [95% CI]", "modeled [95% CI]", "greedy identical"]
 
 
-def ci_cell(x: Any, ci: Any, digits: int = 2, suffix: str = "") -> str:
-    """A number with its 95% interval: "0.62 [0.58–0.66]" ("–" when missing)."""
-    if not isinstance(x, (int, float)):
-        return "–"
-    return _f(x, digits, suffix) + (f" [{_f(ci[0], digits)}–{_f(ci[1], digits)}]" if ci else "")
-
-
-def shown(row: dict, key: str, digits: int = 2) -> str:
-    """A speedup cell: the number with its interval, or "n.s." when the doctor flagged it."""
-    if key in (row.get("flagged") or {}):
-        return "n.s."
-    return ci_cell(row.get(key), row.get(f"{key}_ci"), digits, "×")
-
-
 def table_rows(report: dict) -> list[list[str]]:
     out = []
     for r in _ok_rows(report):
@@ -188,24 +167,13 @@ def table_rows(report: dict) -> list[list[str]]:
         if check:
             gi_s += "; replay = decoded" if check.get("equal") else "; REPLAY ≠ DECODED"
         out.append([
-            r["name"], str(r.get("eval_set")), _sampling(r.get("temperature"), r.get("top_p")),
+            r["name"], str(r.get("eval_set")), tables.sampling(r.get("temperature"), r.get("top_p")),
             str(r.get("gamma", "–")), str(r.get("batch_size")), f"{r.get('prompts', '–')} ({r.get('timed_prompts', 0)})",
-            ci_cell(r.get("acceptance_rate"), r.get("acceptance_rate_ci")),
-            _f(r.get("teacher_forced_acceptance")), _f(r.get("tokens_per_target_call")), _f(r.get("cost_ratio"), 3),
-            _f(r.get("tokens_per_s"), 1), shown(r, "speedup"), shown(r, "modeled_speedup"), gi_s,
+            tables.ci_cell(r.get("acceptance_rate"), r.get("acceptance_rate_ci")),
+            tables.num(r.get("teacher_forced_acceptance")), tables.num(r.get("tokens_per_target_call")), tables.num(r.get("cost_ratio"), 3),
+            tables.num(r.get("tokens_per_s"), 1), tables.shown(r, "speedup"), tables.shown(r, "modeled_speedup"), gi_s,
         ])
     return out
-
-
-def _md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _text_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
 def category_table(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -219,7 +187,7 @@ def category_table(report: dict) -> tuple[list[str], list[list[str]]]:
     for r in rows:
         for c, v in (r.get("by_category") or {}).items():
             key = f"{r['eval_set']}/{c}" if c != r["eval_set"] else c
-            table.setdefault(r["name"], {})[key] = _f(v.get("acceptance_rate"))
+            table.setdefault(r["name"], {})[key] = tables.num(v.get("acceptance_rate"))
     return ["draft", *cats], [[n, *(vals.get(c, "–") for c in cats)] for n, vals in table.items()]
 
 
@@ -228,18 +196,18 @@ def headline(report: dict) -> str:
     if not b:
         return "No draft was evaluated (only references or errors)."
     flagged = b.get("flagged") or {}
-    setting = (f"γ = {b['gamma']}, {_sampling(b['temperature'], b.get('top_p'))}, batch {b['batch_size']}; "
+    setting = (f"γ = {b['gamma']}, {tables.sampling(b['temperature'], b.get('top_p'))}, batch {b['batch_size']}; "
                f"mean over {', '.join(b.get('eval_sets', []))}")
     name = f"**Best draft: `{b['name']}`**" + (f" (`{b['draft']}`)" if b.get("draft") else "")
     speeds = []
     if isinstance(b.get("modeled_speedup"), (int, float)) and "modeled_speedup" not in flagged:
-        speeds.append(f"**{_f(b['modeled_speedup'], 2, '×')} modeled speedup** over every prompt")
+        speeds.append(f"**{tables.num(b['modeled_speedup'], 2, '×')} modeled speedup** over every prompt")
     if isinstance(b.get("speedup"), (int, float)) and "speedup" not in flagged:
-        speeds.append(f"{_f(b['speedup'], 2, '×')} measured on the timed prompts")
+        speeds.append(f"{tables.num(b['speedup'], 2, '×')} measured on the timed prompts")
     text = name + ": " + ("; ".join(speeds) if speeds else
                           "**no speedup over the target alone that the measurement can support**") + f" ({setting}). "
-    text += (f"α = {_f(b.get('acceptance_rate'))}, α_TF = {_f(b.get('teacher_forced_acceptance'))}, "
-             f"τ = {_f(b.get('tokens_per_target_call'))}, c = {_f(b.get('cost_ratio'), 3)}.")
+    text += (f"α = {tables.num(b.get('acceptance_rate'))}, α_TF = {tables.num(b.get('teacher_forced_acceptance'))}, "
+             f"τ = {tables.num(b.get('tokens_per_target_call'))}, c = {tables.num(b.get('cost_ratio'), 3)}.")
     if flagged:
         text += " Not shown: " + "; ".join(f"{k} ({'; '.join(v)})" for k, v in flagged.items()) + "."
     names = (("undistilled init", "init_speedup"), ("prompt lookup", "prompt_lookup_speedup"),
@@ -247,7 +215,7 @@ def headline(report: dict) -> str:
              ("transformers assisted generation, same draft", "hf_assisted_speedup"))
     refs = [(k, b[key]) for k, key in names if b.get(key) is not None]
     if refs and speeds:
-        text += " Measured on the same timed prompts: " + "; ".join(f"{k} {_f(v, 2, '×')}" for k, v in refs) + "."
+        text += " Measured on the same timed prompts: " + "; ".join(f"{k} {tables.num(v, 2, '×')}" for k, v in refs) + "."
     return text
 
 
@@ -272,14 +240,14 @@ def render_markdown(report: dict) -> str:
     ]
     doc = report.get("doctor") or []
     lines += [f"- **{d['severity']}** `{d['rule']}`: {d['message']}" for d in doc] or ["No problems found."]
-    lines += ["", "## All rows", "", _md_table(COLUMNS, table_rows(report)), ""]
+    lines += ["", "## All rows", "", tables.markdown(COLUMNS, table_rows(report)), ""]
     errors = [r for r in report.get("rows", []) if r.get("error")]
     if errors:
         lines += ["### Not evaluated", ""]
         lines += [f"- `{r['name']}` ({r.get('draft')}): {r['error']}" for r in errors] + [""]
     heads, cat_rows = category_table(report)
-    lines += [f"## α per category ({_sampling(temp)}, batch {bs}" + (f", γ = {gamma}" if gamma else "") + ")", "",
-              _md_table(heads, cat_rows) if cat_rows else "No speculative rows.", "", "## Plots", ""]
+    lines += [f"## α per category ({tables.sampling(temp)}, batch {bs}" + (f", γ = {gamma}" if gamma else "") + ")", "",
+              tables.markdown(heads, cat_rows) if cat_rows else "No speculative rows.", "", "## Plots", ""]
     lines += [f"![{p}](plots/{p}.png)" for p in PLOTS] + ["", "## Definitions", ""]
     lines += [f"- `{k}`: {v}" for k, v in (report.get("definitions") or {}).items()]
     return "\n".join(lines) + "\n"
@@ -314,7 +282,7 @@ def plot_per_position(report: dict, path: Path) -> None:
                 ax.plot(*zip(*pts), marker="o", label=f"{name} (γ={r['gamma']})")
         if not ax.lines:
             _empty(ax)
-        ax.set(title=f"{es}, {_sampling(temp)}, batch {bs}", xlabel="draft position k",
+        ax.set(title=f"{es}, {tables.sampling(temp)}, batch {bs}", xlabel="draft position k",
                ylabel="P(accept k | 1..k−1 accepted)", ylim=(0, 1.05))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if ax.lines:
@@ -349,7 +317,7 @@ def plot_speedup_vs_gamma(report: dict, path: Path) -> None:
         ax.axhline(1.0, color="grey", linewidth=0.8)
         if not mine:
             _empty(ax)
-        ax.set(title=f"{es}, {_sampling(temp)}, batch {bs}", xlabel="γ", ylabel="speedup over target alone")
+        ax.set(title=f"{es}, {tables.sampling(temp)}, batch {bs}", xlabel="γ", ylabel="speedup over target alone")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if mine:
             ax.legend(fontsize=7)
@@ -371,7 +339,7 @@ def plot_category(report: dict, path: Path) -> None:
     else:
         _empty(ax)
     temp, bs, gamma = headline_setting(report)
-    ax.set(ylabel="α", ylim=(0, 1.05), title=f"α per category ({_sampling(temp)}, batch {bs}, γ={gamma})")
+    ax.set(ylabel="α", ylim=(0, 1.05), title=f"α per category ({tables.sampling(temp)}, batch {bs}, γ={gamma})")
     _save(fig, path)
 
 
@@ -398,7 +366,7 @@ def plot_accepted_lengths(report: dict, path: Path) -> None:
     else:
         _empty(ax)
     ax.set(xlabel="draft tokens accepted in a round", ylabel="share of rounds",
-           title=f"accepted length ({_sampling(temp)}, batch {bs}, γ={gamma}, all sets)")
+           title=f"accepted length ({tables.sampling(temp)}, batch {bs}, γ={gamma}, all sets)")
     _save(fig, path)
 
 
@@ -426,7 +394,7 @@ def render(report: dict, out_dir: str | Path) -> dict[str, str]:
 def print_summary(report: dict, stream=None) -> None:
     """The final table, the headline, the doctor's findings and the greedy check, on the terminal."""
     stream = stream or sys.stdout
-    print("\n" + _text_table(COLUMNS, table_rows(report)), file=stream)
+    print("\n" + tables.text(COLUMNS, table_rows(report)), file=stream)
     for r in report.get("rows", []):
         if r.get("error"):
             print(_color(f"not evaluated: {r['name']} ({r.get('draft')}): {r['error']}", "31", stream), file=stream)
