@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from specdec.metrics import overlap
+
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
 
 
@@ -138,8 +140,8 @@ def teacher_forced_acceptance(p_logits: torch.Tensor, q_logits: torch.Tensor, ma
 
 
 def overlap_per_token(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """Σ_x min(p, q) per row from log-probs. [N, V] -> [N]"""
-    return torch.minimum(logp, logq).exp().sum(-1)
+    """Σ_x min(p, q) per row from log-probs (specdec.metrics.overlap). [N, V] -> [N]"""
+    return overlap(logp, logq, log=True)
 
 
 # ---------------------------------------------------------------- teacher signals for the chunked driver

@@ -29,12 +29,19 @@ def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
     return expected_tokens_per_call(alpha, gamma) / (gamma * c + 1)
 
 
+def overlap(p: torch.Tensor, q: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """Σ_x min(p(x), q(x)) = 1 − TV(p, q) per position: the probability that a draft token sampled from
+    q is accepted against p. p, q [..., V] -> [...]; log=True takes log-probs (exp is monotone, so the min
+    is taken first and one exp allocated). The one definition every α_TF in the project uses."""
+    return (torch.minimum(p, q).exp() if log else torch.minimum(p, q)).sum(dim=-1)
+
+
 def teacher_forced_acceptance(p: torch.Tensor, q: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """α_TF: mean over positions of Σ_x min(p(x), q(x)) = 1 − TV(p, q). p, q [..., V]; mask [...] bool."""
-    overlap = torch.minimum(p, q).sum(dim=-1)  # [...]
+    """α_TF: mean over positions of overlap(p, q). p, q [..., V]; mask [...] bool."""
+    overlap_ = overlap(p, q)  # [...]
     if mask is not None:
-        overlap = overlap[mask]
-    return float(overlap.double().mean()) if overlap.numel() else float("nan")
+        overlap_ = overlap_[mask]
+    return float(overlap_.double().mean()) if overlap_.numel() else float("nan")
 
 
 _SETTINGS = ("batch_size", "gamma", "gamma_policy", "temperature", "top_k", "top_p", "draft_sampled")
