@@ -219,7 +219,7 @@ class PublishConfig:
     license: str = "apache-2.0"
     merge: bool = True  # LoRA: upload a merged model (false: the adapter with base_model)
     force: bool = False  # publish without (or with a failing) evaluation report
-    draft: str = "best"  # which checkpoint: "best" or a path
+    draft: str = "fastest"  # "fastest" (the evaluation's top draft: standalone or head), "best", a checkpoint, a path
 
 
 @dataclass

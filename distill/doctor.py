@@ -85,6 +85,12 @@ def noise_flags(row: dict, settings: Optional[dict] = None) -> dict[str, str]:
             continue
         ci = row.get(ci_key)
         why = []
+        basis = (row.get("prompts") if key == "modeled_speedup" and row.get("scored_by") == "replay"
+                 else row.get("decoded_prompts") or row.get("timed_prompts"))
+        if isinstance(basis, int) and basis < 2:
+            why.append(f"from {basis} prompt(s): no interval over prompts (raise evaluate.timed_prompts"
+                       + ("" if key == "modeled_speedup" and row.get("scored_by") == "replay" else
+                          "; the greedy modeled_speedup covers every prompt") + ")")
         if short:
             why.append(f"timed with {s.get('repeats')} repeat(s) after {s.get('warmup')} warm-up run(s) "
                        f"(need ≥ {MIN_REPEATS} and ≥ {MIN_WARMUP}: evaluate.repeats, evaluate.warmup)")

@@ -78,11 +78,19 @@ def _is_model_dir(d: Path) -> bool:
 
 
 def resolve_draft(cfg: DictConfig) -> DraftSource:
-    """Find the draft to publish: publish.draft is "best", a checkpoint name of this run, or a path."""
+    """Find the draft to publish: publish.draft is "fastest" (the draft the evaluation ranks first: a
+    standalone draft or the feature head; distill/best when there is no report yet), "best", a checkpoint
+    name of this run, or a path."""
     distill_dir = Path(run_dir(cfg)) / "distill"
     want = cfg.publish.draft
-    path = distill_dir / want if (distill_dir / want).is_dir() or want == "best" else Path(want)
-    name = path.name if path.parent.resolve() == distill_dir.resolve() else str(path)
+    report_path = Path(run_dir(cfg)) / "evaluate" / "report.json"
+    top = (read_json(report_path).get("best") or {}) if want == "fastest" and report_path.is_file() else {}
+    if top.get("draft"):
+        path, name = Path(top["draft"]), str(top["name"])
+    else:
+        want = "best" if want == "fastest" else want
+        path = distill_dir / want if (distill_dir / want).is_dir() or want == "best" else Path(want)
+        name = path.name if path.parent.resolve() == distill_dir.resolve() else str(path)
     if not path.is_dir():
         raise ConfigError(
             f"no draft at {path}: run the distill stage first (`python -m distill.train run_name={cfg.run_name}`) "
@@ -229,6 +237,9 @@ def _training_section(cfg: DictConfig, prev: Optional[dict], summary: Optional[d
     """Training data, loss and student settings (from the run's config.yaml) and α_TF (summary.json)."""
     c = prev or OmegaConf.to_container(cfg, resolve=True)
     d, g, lo, s, t, m = (c.get(k, {}) for k in ("data", "generate", "loss", "student", "train", "model"))
+    trained = (summary or {}).get("settings") or {}  # what the draft's own stage trained (a head beside a draft)
+    s, t = trained.get("student") or s, trained.get("train") or t
+    head_cfg = trained.get("head") or c.get("head", {})
     src = d.get("source")
     data = {"stdlib": "prompts built from the Python standard library (functions with docstrings, pydoc topics)",
             "mt_bench": "MT-Bench questions", "humaneval": "HumanEval problems"}.get(src, f"{src} `{d.get('path')}`")
@@ -236,10 +247,12 @@ def _training_section(cfg: DictConfig, prev: Optional[dict], summary: Optional[d
     init = (f"layers {m.get('draft_layers')} of the target (embeddings, final norm and LM head copied)"
             if m.get("draft_init") == "from_target" else
             f"`{m.get('draft')}`" if m.get("draft_init") == "pretrained" else "a fresh model from the target's config")
+    if s.get("kind") == "head":
+        init = "the target's last decoder layer, final norm and LM-head rows (reading its hidden states)"
     loss = lo.get("name", "?").upper() + (f" (β={lo.get('beta')})" if lo.get("name") == "jsd" else "")
     loss += f", temperature {lo.get('temperature')}" + (f", + {lo.get('ce_weight')} × cross-entropy" if lo.get("ce_weight") else "")
     student = ("full fine-tune" if s.get("kind") == "full" else
-               f"feature head (EAGLE-3), training-time test over {c.get('head', {}).get('ttt_steps')} steps"
+               f"feature head (EAGLE-3), training-time test over {head_cfg.get('ttt_steps')} steps"
                if s.get("kind") == "head" else f"LoRA r={s.get('lora_r')}, α={s.get('lora_alpha')}")
     lines = [
         f"- **draft initialised from**: {init}",
@@ -247,7 +260,8 @@ def _training_section(cfg: DictConfig, prev: Optional[dict], summary: Optional[d
         f"{data}" + (f", first {d.get('limit')} prompts" if d.get("limit") else ""),
         f"- **loss**: {loss}; on-policy fraction λ={t.get('on_policy_fraction')}",
         f"- **student**: {student}; {t.get('max_steps')} steps, batch {t.get('batch_size')} × "
-        f"{t.get('grad_accum')} accumulation, lr {t.get('lr')} ({t.get('schedule')})",
+        f"{t.get('grad_accum')} accumulation, lr {head_cfg.get('lr') if s.get('kind') == 'head' else t.get('lr')} "
+        f"({t.get('schedule')})",
     ]
     if summary:
         init_tf = pick(summary, "init_teacher_forced_acceptance", "init.teacher_forced_acceptance", "init_alpha_tf")
@@ -521,8 +535,10 @@ def run(cfg: DictConfig) -> dict:
     report_path = rd / "evaluate" / "report.json"
     report = read_json(report_path) if report_path.is_file() else None
     problems = check_report(report, src, report_path, cfg)
-    summary = read_json(rd / "distill" / "summary.json") if (rd / "distill" / "summary.json").is_file() else None
-    if summary and summary.get("target", cfg.model.target) != cfg.model.target and src.name == "best":
+    # the summary of the stage that trained this draft (distill/, or distill-head/ for the head beside it)
+    sdir = src.path.parent if (src.path.parent / "summary.json").is_file() else rd / "distill"
+    summary = read_json(sdir / "summary.json") if (sdir / "summary.json").is_file() else None
+    if summary and summary.get("target", cfg.model.target) != cfg.model.target and src.name in ("best", "head"):
         raise ConfigError(f"{src.path} was distilled for model.target={summary['target']!r}, not {cfg.model.target!r}; "
                           f"publish with model.target={summary['target']}, or distill this target first")
     card = render_card(cfg, src, report, prev, summary, problems)

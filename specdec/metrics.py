@@ -191,17 +191,18 @@ def bootstrap_ci(num: list[float], den: list[float] | None = None, level: float 
 
     Each resample draws len(num) items with replacement and takes the ratio of the sums, so a
     per-token rate (α, τ) weights prompts by their tokens as the point estimate does. Returns
-    [low, high], or None for no items; resamples whose denominator is 0 are dropped.
+    [low, high], or None for fewer than 2 items (one item has no spread to resample); resamples whose
+    denominator is 0 are dropped.
     """
     import numpy as np
 
     n = len(num)
-    if n == 0:
-        return None
     x = np.asarray(num, dtype=np.float64)
     d = np.ones(n) if den is None else np.asarray(den, dtype=np.float64)
     if d.shape != x.shape:
         raise ValueError(f"num and den need the same length (got {n} and {len(d)})")
+    if n < 2:
+        return None
     idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
     tops, bottoms = x[idx].sum(1), d[idx].sum(1)
     ok = bottoms != 0

@@ -179,6 +179,11 @@ def test_noise_rules_flag_speedups_the_measurement_cannot_support():
     short = noise_flags(clean, {"repeats": 1, "warmup": 0})
     assert set(short) == {"speedup", "modeled_speedup"} and "evaluate.repeats" in short["speedup"]
     assert noise_flags(row(name="target", kind="target", speedup=1.0, speedup_ci=[1.0, 1.0]), ok) == {}
+    # a speedup measured (or a sampled row decoded) on one prompt has no interval over prompts
+    one = noise_flags({**clean, "timed_prompts": 1, "prompts": 48, "scored_by": "replay", "speedup_ci": None}, ok)
+    assert set(one) == {"speedup"} and "from 1 prompt(s)" in one["speedup"]
+    sampled = {**clean, "scored_by": "decoding", "timed_prompts": 0, "decoded_prompts": 1, "modeled_speedup_ci": None}
+    assert "modeled_speedup" in noise_flags(sampled, ok)
     # the doctor reports each flagged number as noise
     assert "noise" in rules([{**clean, "flagged": noise_flags({**clean, "speedup_ci": [0.9, 1.4]}, ok)}])
 

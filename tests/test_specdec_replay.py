@@ -114,5 +114,6 @@ def test_bootstrap_interval_hand_computed_cases():
     # every prompt at the same rate: the interval is that rate, whatever the weights
     assert bootstrap_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == [2.0, 2.0]
     assert bootstrap_ci([], []) is None
+    assert bootstrap_ci([3.0], [1.0]) is None  # one prompt: no spread to resample, no interval
     with pytest.raises(ValueError):
         bootstrap_ci([1.0], [1.0, 2.0])
