@@ -198,8 +198,8 @@ class EvaluateConfig:
     # at timed_max_new_tokens (null: max_new_tokens); sampled rows and batch sizes > 1 are measured on them
     timed_prompts: int = 4
     timed_max_new_tokens: Optional[int] = 64
-    # γ each candidate is timed at (null: the largest of gammas). The costs of a timed run model the
-    # speedup at every γ (a verify call's cost is linear in its proposals); timed γ also get a measured one
+    # γ each candidate is timed at (null: every γ of gammas). An untimed γ's speedup is modeled with the
+    # largest timed γ's costs and flagged (a verify call's cost is not linear in its proposals on CPU)
     timed_gammas: Optional[list[int]] = None
     sampled_prompts: Optional[int] = None  # α_TF at T > 0 scores the target's sampled answers to this many per set (null: all)
     repeats: int = 3  # timed runs per decoder (median); fewer than 3 flags every speedup as noise

@@ -85,6 +85,9 @@ def noise_flags(row: dict, settings: Optional[dict] = None) -> dict[str, str]:
             continue
         ci = row.get(ci_key)
         why = []
+        if key == "modeled_speedup" and row.get("costs_from_gamma") is not None:
+            why.append(f"modeled with the costs timed at γ = {row['costs_from_gamma']}: a verify call costs more "
+                       "than the line through one timed γ says at other γ (add this γ to evaluate.timed_gammas)")
         basis = (row.get("prompts") if key == "modeled_speedup" and row.get("scored_by") == "replay"
                  else row.get("decoded_prompts") or row.get("timed_prompts"))
         if isinstance(basis, int) and basis < 2:

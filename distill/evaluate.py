@@ -245,8 +245,8 @@ class _Stage:
         twin = next((c["name"] for c in ok if c["kind"] == "model" and c["name"] != "init"), None)
         self.twin = {"init": twin} if (twin and "init" in models and models["init"] is not None
                                        and size(models["init"]) == size(models[twin])) else {}
-        # the γ each candidate is timed at: the costs of the largest model every other (measure.Costs)
-        self.timed_gammas = sorted(set(e.timed_gammas or [max(e.gammas)]))
+        # the γ each candidate is timed at (default: every γ); an untimed γ is modeled with the largest's costs
+        self.timed_gammas = sorted(set(e.timed_gammas or e.gammas))
         self.depth = max(e.gammas) * (2 if e.gamma_policy == "adaptive" else 1)  # the longest block replay asks
 
     def target_decode(self, temp: float, max_new: int):
@@ -355,6 +355,8 @@ class _Stage:
                     rows.append(row)
                     continue
                 row = with_costs(row, tr["costs"], lens, parts)
+                if (own, g) not in timed:  # modeled with the costs of another γ's run (extrapolated)
+                    row["costs_from_gamma"] = gts[-1]
                 if own == c["name"] and (c["name"], g) in timed:  # a timed row: measured speedup, greedy identity, replay = decoding
                     props = [proposals[c["name"]][i] for i in tidx]
                     again = [replay(a, prop, g, tmax, stop, e.gamma_policy) for a, prop in zip(y_t, props)]
@@ -423,8 +425,8 @@ def _block_proposals(blocks: list[list[int]]) -> Proposals:
 
 def _best_gamma(rows: list[dict], name: str, default: int) -> int:
     scored = [r for r in rows if r["name"] == name and r.get("scored_by") == "replay"
-              and isinstance(r.get("modeled_speedup"), (int, float))]
-    return max(scored, key=lambda r: r["modeled_speedup"])["gamma"] if scored else default
+              and isinstance(report_mod.headline_speedup(r), (int, float))]
+    return max(scored, key=report_mod.headline_speedup)["gamma"] if scored else default
 
 
 def run(cfg: DictConfig) -> dict:

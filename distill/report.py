@@ -95,7 +95,10 @@ def headline_setting(report: dict) -> tuple[float, int, Optional[int]]:
 # -- the headline ----------------------------------------------------------------------------------
 def headline_speedup(row: dict) -> Optional[float]:
     """The number a row is ranked by: its modeled speedup over every prompt when there is one (replayed
-    counts, measured costs), else the speedup measured on the timed subset."""
+    counts, measured costs), else the speedup measured on the timed subset. A γ that was not timed (its
+    speedup modeled with another γ's costs: `costs_from_gamma`) is not ranked."""
+    if row.get("costs_from_gamma") is not None:
+        return None
     v = row.get("modeled_speedup")
     return v if isinstance(v, (int, float)) else row.get("speedup")
 
