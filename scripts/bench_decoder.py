@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distill.config import DataConfig, ModelConfig  # noqa: E402
 from distill.data import encode_prompt, load_prompts  # noqa: E402
-from distill.evaluate import merge_metrics  # noqa: E402
+from specdec.metrics import SpecMetrics  # noqa: E402
 from distill.models import draft_from_target, load_model, load_target, shared_vocab_size  # noqa: E402
 from specdec.drafters import frequent_tokens, load_draft_vocab  # noqa: E402
 from specdec import (  # noqa: E402
@@ -222,7 +222,7 @@ def main(argv=None) -> None:
         res = run_methods(methods, prompts, args.repeats, device)
         base = res["target alone"]
         base_wall = statistics.median(base["walls"])
-        base_m = merge_metrics(base["metrics"], 1)
+        base_m = SpecMetrics.merge(base["metrics"], 1)
         for name, r in res.items():
             wall = statistics.median(r["walls"])
             n_tok = sum(len(t) for t in r["tokens"])
@@ -235,7 +235,7 @@ def main(argv=None) -> None:
                 if name != "HF generate (target alone)" and calls:
                     row["tokens_per_target_call"] = n_tok / calls
             elif name != "target alone":
-                m = merge_metrics(r["metrics"], 1)
+                m = SpecMetrics.merge(r["metrics"], 1)
                 m.baseline_target_step_s = base_m.target_step_s
                 row.update(acceptance_rate=m.acceptance_rate, tokens_per_target_call=m.tokens_per_target_call,
                            cost_ratio=m.cost_ratio, predicted_speedup=m.predicted_speedup,
