@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from distill.utils import atomic_write_json, read_json, writing
+from specdec.files import replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +77,6 @@ def set_aside_diverged(out: Path, bad_step: int) -> list[Path]:
     if info is not None and info.get("step", 0) >= bad_step:
         moved.append(set_aside(out / "best", "diverged"))
     return moved
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished tmp dir to final, replacing an existing final dir (old one parked, then deleted)."""
-    old = final.parent / f".{final.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def recover(out: Path) -> None:
@@ -201,7 +192,7 @@ def save_best(out: Path, model: torch.nn.Module, tok: Any, info: dict, merge: bo
     with writing(out / "best", lambda: shutil.rmtree(tmp, ignore_errors=True)):
         save_model_dir(model, tok, tmp, merge)
         atomic_write_json(tmp / "best.json", info)
-    _replace_dir(tmp, out / "best")
+    replace_dir(tmp, out / "best")
 
 
 def best_info(out: Path) -> Optional[dict]:
@@ -217,7 +208,7 @@ def save_init(out: Path, model: torch.nn.Module, tok: Any) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         with writing(final, lambda: shutil.rmtree(tmp, ignore_errors=True)):
             save_model_dir(model, tok, tmp)
-        _replace_dir(tmp, final)
+        replace_dir(tmp, final)
     return final
 
 

@@ -37,7 +37,9 @@ from distill.config import ConfigError
 from distill.losses import SINK, HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, chunked_overlap, gather_teacher
 from distill.models import load_target, shared_vocab_size
 from distill.records import run_draft_vocab
-from distill.training import Logger, TrainingDiverged, check_generated, global_batch, open_stage, schedule
+from distill.training import (
+    Logger, TrainingDiverged, apply_step, book_step, check_generated, close_step, global_batch, open_stage, schedule,
+)
 from specdec.features import FeatureTaps
 from specdec.heads import FeatureHead, load_head
 
@@ -214,6 +216,7 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
         }
 
     wall0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    elapsed = lambda: elapsed0 + time.perf_counter() - wall0  # noqa: E731 (wall time, resumed runs included)
     while state["step"] < t.max_steps:
         step = state["step"]
         t0 = time.perf_counter()
@@ -236,37 +239,19 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
             last = ck.checkpoints(out)
             raise TrainingDiverged(f"loss is {loss} at step {step + 1}; stopped. The last good checkpoint is "
                                    f"{last[-1][1] if last else 'none'}; lower head.lr (now {hc.lr}), then rerun")
-        if t.max_grad_norm and t.max_grad_norm > 0:
-            acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        apply_step(acc, model, optimizer, scheduler, t.max_grad_norm)
         dt = time.perf_counter() - t0
-        state["step"] = step + 1
-        state["records_seen"] = (step + 1) * G
-        state["train_s"] += dt
-        state["elapsed_s"] = elapsed0 + time.perf_counter() - wall0
-        state["train_tokens"] += int(count)
-        over = float(acc.reduce(torch.tensor(float(state["elapsed_s"] >= budget_s), device=acc.device), "max")) > 0
-        last_step = state["step"] >= t.max_steps or over
+        over, last_step = book_step(state, acc, t, step, G, dt, count, elapsed(), budget_s)
         entry = {"step": state["step"], "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
                  "elapsed_s": round(state["elapsed_s"], 2)}
         if state["step"] % t.eval_every == 0 or last_step:
             tf, agree = alpha()
             entry.update(teacher_forced_acceptance=tf, greedy_agreement=agree)
             consider(state["step"], tf, agree)
-        state["history"].append(entry)
-        logger.log(entry)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", alpha_tf=f"{entry.get('teacher_forced_acceptance', math.nan):.3f}")
-        if state["step"] % t.save_every == 0 or last_step:
-            save(state["step"])
-        state["elapsed_s"] = elapsed0 + time.perf_counter() - wall0
-        if acc.is_main_process and ("teacher_forced_acceptance" in entry or last_step):
-            ck.write_summary(out, summarize(False))
-        if over and state["step"] < t.max_steps:
+        if close_step(state, entry, t, acc, out, logger, save, summarize, elapsed, last_step, over):
             stopped = "time_budget"
-            log.info("distill: time budget of %.1f min reached at step %d", t.time_budget_min, state["step"])
             break
     bar.close()
     taps.close()

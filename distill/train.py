@@ -48,7 +48,7 @@ from distill.models import load_draft, load_target, shared_vocab_size
 from distill.heads_train import run as run_head
 from distill.records import run_draft_vocab
 from distill.training import (
-    Logger, TrainingDiverged, check_generated, global_batch, open_stage, schedule,
+    Logger, TrainingDiverged, apply_step, book_step, check_generated, close_step, global_batch, open_stage, schedule,
 )
 from distill.utils import cli
 
@@ -333,6 +333,7 @@ def _run_standalone(cfg: DictConfig) -> dict:
         }
 
     wall0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    elapsed = lambda: elapsed0 + time.perf_counter() - wall0  # noqa: E731 (wall time incl. evals and saves)
     while state["step"] < t.max_steps:
         step = state["step"]
         t0 = time.perf_counter()
@@ -362,19 +363,9 @@ def _run_standalone(cfg: DictConfig) -> dict:
         loss = float(acc.reduce(loss_sum, "sum")) / max(count, 1.0)
         if not math.isfinite(loss):
             raise diverged(f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'})")
-        if t.max_grad_norm and t.max_grad_norm > 0:
-            acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        apply_step(acc, model, optimizer, scheduler, t.max_grad_norm)
         dt = time.perf_counter() - t0
-        state["step"] = step + 1
-        state["records_seen"] = (step + 1) * G
-        state["train_s"] += dt
-        state["elapsed_s"] = elapsed0 + time.perf_counter() - wall0  # wall time incl. evals and saves
-        state["train_tokens"] += int(count)
-        over = float(acc.reduce(torch.tensor(float(state["elapsed_s"] >= budget_s), device=acc.device), "max")) > 0
-        last_step = state["step"] >= t.max_steps or over
+        over, last_step = book_step(state, acc, t, step, G, dt, count, elapsed(), budget_s)
         entry = {"step": state["step"], "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
                  "on_policy": on_policy, "elapsed_s": round(state["elapsed_s"], 2)}
         if state["step"] % t.eval_every == 0 or last_step:
@@ -385,19 +376,11 @@ def _run_standalone(cfg: DictConfig) -> dict:
                 best = {"step": state["step"], "teacher_forced_acceptance": alpha_now}
                 if acc.is_main_process:
                     ck.save_best(out, student, tok, best, cfg.student.merge)
-        state["history"].append(entry)
-        logger.log(entry)
         bar.update(min(int(state["elapsed_s"]), bar.total) - bar.n if timed else 1)
         bar.set_postfix(step=state["step"], loss=f"{loss:.4f}", alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-",
                         tok_s=f"{count / dt:.0f}")
-        if state["step"] % t.save_every == 0 or last_step:
-            save(state["step"])
-        state["elapsed_s"] = elapsed0 + time.perf_counter() - wall0
-        if acc.is_main_process and ("teacher_forced_acceptance" in entry or last_step):
-            ck.write_summary(out, summarize(False))
-        if over and state["step"] < t.max_steps:
+        if close_step(state, entry, t, acc, out, logger, save, summarize, elapsed, last_step, over):
             stopped = "time_budget"
-            log.info("distill: time budget of %.1f min reached at step %d", t.time_budget_min, state["step"])
             break
     bar.close()
     if t.calibrate and "logit_scale" not in best and cfg.student.kind == "full":

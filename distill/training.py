@@ -111,6 +111,45 @@ def open_stage(cfg: DictConfig, stage: str = "distill"):
     return out, acc, records_key, None
 
 
+def apply_step(acc: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any, max_grad_norm: Optional[float]) -> None:
+    """The optimizer step after a global batch's backward passes: clip, step, schedule, clear."""
+    if max_grad_norm and max_grad_norm > 0:
+        acc.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def book_step(state: dict, acc: Any, t: Any, step: int, batch: int, dt: float, tokens: float, elapsed_s: float,
+              budget_s: float) -> tuple[bool, bool]:
+    """Record a finished optimizer step in a trainer's state -> (over the time budget on any process,
+    the run's last step). elapsed_s: wall time so far, evaluations and saves included."""
+    state["step"] = step + 1
+    state["records_seen"] = (step + 1) * batch
+    state["train_s"] += dt
+    state["elapsed_s"] = elapsed_s
+    state["train_tokens"] += int(tokens)
+    over = float(acc.reduce(torch.tensor(float(elapsed_s >= budget_s), device=acc.device), "max")) > 0
+    return over, state["step"] >= t.max_steps or over
+
+
+def close_step(state: dict, entry: dict, t: Any, acc: Any, out, logger: "Logger", save: Callable[[int], None],
+               summarize: Callable[[bool], dict], elapsed: Callable[[], float], last_step: bool, over: bool) -> bool:
+    """A step's entry into the history and the logger, the periodic checkpoint, the summary after an
+    evaluation; True when the time budget ends the run here."""
+    state["history"].append(entry)
+    logger.log(entry)
+    if state["step"] % t.save_every == 0 or last_step:
+        save(state["step"])
+    state["elapsed_s"] = elapsed()
+    if acc.is_main_process and ("teacher_forced_acceptance" in entry or last_step):
+        ck.write_summary(out, summarize(False))
+    if over and state["step"] < t.max_steps:
+        log.info("distill: time budget of %.1f min reached at step %d", t.time_budget_min, state["step"])
+        return True
+    return False
+
+
 def global_batch(n: int, step: int, size: int, seed: int) -> list[int]:
     """Indices of the records of optimizer step `step`: a stream of seeded per-epoch permutations."""
     ids: list[int] = []

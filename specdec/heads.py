@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .files import replace_dir
+
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -323,12 +325,7 @@ class FeatureHead(nn.Module):
             (tmp / "config.json").write_text(json.dumps(self.export_config(), indent=2) + "\n")
             save_file(self.export_tensors(), str(tmp / WEIGHTS), metadata={"format": "pt"})
             os.chmod(tmp, 0o755)
-            old = path.parent / f".{path.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            replace_dir(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
