@@ -1,9 +1,9 @@
 """The distill stage for student=head: train an EAGLE-3 style feature head (specdec.heads) on the target's answers.
 
-    python -m distill.train model=tiny experiment=smoke student=head run_name=try   # after distill.generate
-    python -m distill.train student=head model.draft_vocab=8192 train.time_budget_min=10
+    python -m distill.distill model=tiny experiment=smoke student=head run_name=try   # after distill.generate
+    python -m distill.distill student=head model.draft_vocab=8192 train.time_budget_min=10
 
-distill.train.run hands over here when student.kind=head; the stage's files are the same (see
+distill.distill.run hands over here when student.kind=head; the stage's files are the same (see
 distill/checkpoint.py): checkpoint-<step>/ and best/ are head directories in the EAGLE-3 layout (plus the
 tokenizer and trainer_state/), summary.json has the same keys.
 

@@ -20,7 +20,7 @@ run, under a file lock), so the table is complete when the last job ends.
 Multi-process distillation: the pipeline runs stages in one process. For the distill stage on several
 processes, run it alone first, then let the pipeline continue (it finds the distill stage complete):
 
-    accelerate launch --config_file conf/accelerate/cpu-2proc.yaml -m distill.train experiment=smoke
+    accelerate launch --config_file launch/cpu-2proc.yaml -m distill.distill experiment=smoke
     python -m distill.pipeline experiment=smoke
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
 log = logging.getLogger(__name__)
 
 # stage name -> the module whose run(cfg) does it
-MODULES = {"generate": "distill.generate", "distill": "distill.train", "evaluate": "distill.evaluate",
+MODULES = {"generate": "distill.generate", "distill": "distill.distill", "evaluate": "distill.evaluate",
            "publish": "distill.publish"}
 HEADERS = ["eval set", "decoding", "γ", "prompts (timed)", "α [95% CI]", "τ", "tokens/s", "speedup [95% CI]",
            "modeled [95% CI]"]
@@ -233,7 +233,7 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg)  # fail before the first stage, not in the third
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("the pipeline runs its stages in one process; for multi-process distillation run "
-                          "`accelerate launch -m distill.train <overrides>` first, then `python -m distill.pipeline "
+                          "`accelerate launch -m distill.distill <overrides>` first, then `python -m distill.pipeline "
                           "<same overrides>` (it finds the distill stage complete)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     results: dict[str, Any] = {"run_dir": run_dir(cfg), "stages": {}}

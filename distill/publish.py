@@ -93,7 +93,7 @@ def resolve_draft(cfg: DictConfig) -> DraftSource:
         name = path.name if path.parent.resolve() == distill_dir.resolve() else str(path)
     if not path.is_dir():
         raise ConfigError(
-            f"no draft at {path}: run the distill stage first (`python -m distill.train run_name={cfg.run_name}`) "
+            f"no draft at {path}: run the distill stage first (`python -m distill.distill run_name={cfg.run_name}`) "
             f"or set publish.draft=<a draft dir>"
         )
     if is_head_dir(path):

@@ -1,4 +1,4 @@
-"""What both distill trainers share (the standalone draft's, distill/train.py, and the feature head's,
+"""What both distill trainers share (the standalone draft's, distill/distill.py, and the feature head's,
 distill/heads_train.py): opening the stage, the records check, the learning-rate schedule, the order of
 the records, mixed precision, the W&B logger.
 """

@@ -13,7 +13,7 @@ trained on). With --in-domain it also answers the HumanEval and MT-Bench prompts
 leave out (same shuffle, data.skip=--eval-records; --in-domain-samples N > 1: N answers sampled at
 T = 1 each) and trains on the union of those and the training records. Then it measures α_TF
 (teacher_forced_acceptance: mean Σ min(p, q) over the target's response tokens) of the initial
-draft, trains with `python -m distill.train`'s run() for at most --minutes (train.time_budget_min;
+draft, trains with `python -m distill.distill`'s run() for at most --minutes (train.time_budget_min;
 any distill override can follow), and measures α_TF of distill/best.
 Prints training tokens/s, peak memory (max RSS; GPU peak when on GPU), and a rough cost ratio
 c = one draft decode step ÷ one target decode step (batch 1, KV cache; evaluate measures it properly).
@@ -39,7 +39,8 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from distill import generate, train  # noqa: E402
+from distill import generate  # noqa: E402
+import distill.distill
 from distill.batches import LogitScale, holdout_reference, measure_alpha, to_examples  # noqa: E402
 from distill.records import load_generated  # noqa: E402
 from distill.losses import VocabSubset  # noqa: E402
@@ -198,7 +199,7 @@ def main() -> None:
     c = decode_step_s(init) / t_target
     del init
     t0 = time.perf_counter()
-    summary = train.run(cfg)
+    summary = distill.distill.run(cfg)
     wall = time.perf_counter() - t0
     best = load_model(str(run_path / "distill" / "best"), device=str(target.device))
     after = alphas(best, refs, vocab, sub)

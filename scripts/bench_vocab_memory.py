@@ -5,7 +5,7 @@
 
 Each setting runs in a fresh process (peak RSS is per process): a tiny random Llama draft and target
 (2 layers, hidden 64 by default, tied 262,144-row embeddings), a batch of --batch rows of --seq tokens
-whose last --positions tokens in all are response positions, and one training step of distill.train's
+whose last --positions tokens in all are response positions, and one training step of distill.distill's
 DraftLoss (forward KL against the target's hidden states projected chunk by chunk, as train.teacher=online
 does; embeddings and head frozen as with student.freeze_embeddings=true), backward and an AdamW step.
 Prints, per chunk size, the RSS before the step, the process's peak RSS after it, and their difference:
@@ -38,7 +38,7 @@ def one(chunk: int, args: argparse.Namespace) -> dict:
 
     from distill.losses import HiddenTeacher
     from specdec.tiny import tiny_model
-    from distill.train import DraftLoss
+    from distill.distill import DraftLoss
 
     torch.set_num_threads(args.threads)
     kw = dict(vocab_size=VOCAB, hidden=args.hidden, num_layers=2, initializer_range=0.02)

@@ -19,12 +19,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill import checkpoint as ck
-from distill import evaluate, generate, publish, records, train
+from distill import evaluate, generate, publish, records
+import distill.distill
 from distill.config import ConfigError, DataConfig, ModelConfig, unknown_keys
 from distill.data import load_prompts
 from distill.models import TokenizerMismatch, load_target, resolve_model_path
 from specdec.tiny import tiny_model, tiny_tokenizer
-from distill.train import TrainingDiverged
+from distill.distill import TrainingDiverged
 from distill.utils import cli
 from specdec import hub
 from specdec.__main__ import main as specdec_main
@@ -33,7 +34,7 @@ from test_evaluate import read_report, rows_of
 from test_evaluate import run_root as eval_root  # noqa: F401 (a fixture: drafts in runs/r/distill)
 from test_publish import _cfg as publish_cfg
 from test_publish import run  # noqa: F401 (a fixture: a run dir as distill and evaluate leave it)
-from test_train import PROMPTS, ROOT, assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
+from test_distill import PROMPTS, ROOT, assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
 
 NAN = ("train.max_steps=4", "train.save_every=1", "train.eval_every=4")
 
@@ -51,16 +52,16 @@ def test_nan_loss_names_the_last_good_checkpoint_and_a_lower_lr_resumes_from_it(
     cfg = setup_run(gen, tmp_path, "nan", *NAN, "train.lr=1e30", "train.warmup_steps=2")
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3 .*checkpoint-2 came from the weights that "
                                                r"diverged.*last good checkpoint is \S*/checkpoint-1;.*train.lr"):
-        train.run(cfg)
+        distill.distill.run(cfg)
     out = tmp_path / "nan" / "distill"
     assert [s for s, _ in ck.checkpoints(out)] == [1]
     assert biggest(out / "diverged-checkpoint-2") > 1e20 and biggest(out / "checkpoint-1") < 10
     # the advice: a lower lr, rerun. It resumes from checkpoint-1 with the new rate and equals a run made
     # with that rate from the start (step 1 ran at lr 0 in both)
-    caplog.set_level(logging.INFO, logger="distill.train")
-    fixed = train.run(make_cfg(tmp_path, "nan", gen["prompts"], *NAN, "train.lr=1e-2", "train.warmup_steps=2"))
+    caplog.set_level(logging.INFO, logger="distill.distill")
+    fixed = distill.distill.run(make_cfg(tmp_path, "nan", gen["prompts"], *NAN, "train.lr=1e-2", "train.warmup_steps=2"))
     assert "resuming from" in caplog.text and "checkpoint-1" in caplog.text and "train.lr=0.01" in caplog.text
-    ref = train.run(setup_run(gen, tmp_path, "ref", *NAN, "train.lr=1e-2", "train.warmup_steps=2"))
+    ref = distill.distill.run(setup_run(gen, tmp_path, "ref", *NAN, "train.lr=1e-2", "train.warmup_steps=2"))
     assert fixed["done"] and all(torch.isfinite(torch.tensor(losses(fixed))))
     assert losses(fixed) == losses(ref)
     assert_same_weights(out / "checkpoint-4", tmp_path / "ref" / "distill" / "checkpoint-4")
@@ -69,13 +70,13 @@ def test_nan_loss_names_the_last_good_checkpoint_and_a_lower_lr_resumes_from_it(
 def test_nan_loss_with_no_good_checkpoint_says_the_rerun_starts_from_scratch(gen, tmp_path, caplog):
     cfg = setup_run(gen, tmp_path, "nan0", *NAN, "train.lr=1e30")
     with pytest.raises(TrainingDiverged, match=r"step 2 .*checkpoint-1 came from .*No good checkpoint.*from scratch"):
-        train.run(cfg)
+        distill.distill.run(cfg)
     out = tmp_path / "nan0" / "distill"
     assert ck.checkpoints(out) == [] and (out / "diverged-checkpoint-1").is_dir()
-    caplog.set_level(logging.INFO, logger="distill.train")
-    fixed = train.run(make_cfg(tmp_path, "nan0", gen["prompts"], *NAN, "train.lr=1e-2"))
+    caplog.set_level(logging.INFO, logger="distill.distill")
+    fixed = distill.distill.run(make_cfg(tmp_path, "nan0", gen["prompts"], *NAN, "train.lr=1e-2"))
     assert "training from scratch" in caplog.text and fixed["done"] and not list(out.glob("diverged-*"))
-    ref = train.run(setup_run(gen, tmp_path, "ref0", *NAN, "train.lr=1e-2"))
+    ref = distill.distill.run(setup_run(gen, tmp_path, "ref0", *NAN, "train.lr=1e-2"))
     assert losses(fixed) == losses(ref)
 
 
@@ -92,7 +93,7 @@ def test_non_finite_weights_are_never_saved(gen, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
     with pytest.raises(TrainingDiverged, match=r"weights are not finite after step 3.*last good checkpoint is \S*checkpoint-2"):
-        train.run(setup_run(gen, tmp_path, "nanw", *NAN))
+        distill.distill.run(setup_run(gen, tmp_path, "nanw", *NAN))
     out = tmp_path / "nanw" / "distill"
     assert [s for s, _ in ck.checkpoints(out)] == [1, 2] and not list(out.glob("*checkpoint-3"))
     for _, path in ck.checkpoints(out):
@@ -212,7 +213,7 @@ def targets(tmp_path_factory) -> dict:
 def test_distill_refuses_records_another_target_made(gen, tmp_path, targets, capsys):
     cfg = setup_run(gen, tmp_path, "own", "train.max_steps=2", f"model.target={targets['same_tok']}")
     with pytest.raises(SystemExit) as exc:
-        cli(train.run, cfg)
+        cli(distill.distill.run, cfg)
     msg = one_error(capsys.readouterr().err)
     assert exc.value.code == 2 and "holds records made by 'tiny'" in msg and f"model.target={targets['same_tok']!r}" in msg
     assert "model.target: 'tiny' here" in msg and "another run_name" in msg and "generate.overwrite=true" in msg
@@ -221,17 +222,17 @@ def test_distill_refuses_records_another_target_made(gen, tmp_path, targets, cap
 
 def test_a_finished_distill_is_not_already_done_for_another_target(gen, tmp_path, targets):
     cfg = setup_run(gen, tmp_path, "done", "train.max_steps=2")
-    first = train.run(cfg)
+    first = distill.distill.run(cfg)
     assert first["target"] == "tiny"
     with pytest.raises(ConfigError, match=r"holds records made by 'tiny'.*tokenizer_fingerprint"):
-        train.run(make_cfg(tmp_path, "done", gen["prompts"], "train.max_steps=2", f"model.target={targets['other_tok']}"))
+        distill.distill.run(make_cfg(tmp_path, "done", gen["prompts"], "train.max_steps=2", f"model.target={targets['other_tok']}"))
     # a draft whose summary names another target is not resumed nor "already done" either
     path = tmp_path / "done" / "distill" / "summary.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "target": "someone-else"}))
     with pytest.raises(ConfigError, match=r"distilled for model.target='someone-else', not 'tiny'; set train.resume=never"):
-        train.run(cfg)
+        distill.distill.run(cfg)
     best = load_file(str(tmp_path / "done" / "distill" / "best" / "model.safetensors"))
-    again = train.run(make_cfg(tmp_path, "done", gen["prompts"], "train.max_steps=2", "train.resume=never"))
+    again = distill.distill.run(make_cfg(tmp_path, "done", gen["prompts"], "train.max_steps=2", "train.resume=never"))
     assert again["target"] == "tiny" and again["done"] and best.keys() == load_file(
         str(tmp_path / "done" / "distill" / "best" / "model.safetensors")).keys()
 
@@ -263,26 +264,26 @@ def test_pretrained_draft_with_another_tokenizer_stops_generate_before_any_work(
 
 def test_resume_falls_back_past_damaged_checkpoints_naming_them(gen, tmp_path, caplog):
     const = ("train.schedule=constant", "train.save_every=1", "train.eval_every=2")  # lr independent of max_steps
-    train.run(setup_run(gen, tmp_path, "dmg", *const, "train.max_steps=4"))
+    distill.distill.run(setup_run(gen, tmp_path, "dmg", *const, "train.max_steps=4"))
     out = tmp_path / "dmg" / "distill"
     weights_file = out / "checkpoint-4" / "model.safetensors"
     with open(weights_file, "r+b") as f:  # truncate -s: the file ends early
         f.truncate(weights_file.stat().st_size // 2)
     (out / "checkpoint-3" / "trainer_state" / "state.pt").write_bytes(b"\0" * 100)  # a corrupt optimizer state
-    caplog.set_level(logging.INFO, logger="distill.train")
-    more = train.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=6"))
+    caplog.set_level(logging.INFO, logger="distill.distill")
+    more = distill.distill.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=6"))
     log = caplog.text
     assert re.search(r"checkpoint-4 cannot be resumed from \(\w+.*set aside as broken-checkpoint-4.*previous good "
                      r"checkpoint checkpoint-2", log)
     assert re.search(r"checkpoint-3 cannot be resumed from .*checkpoint-2", log) and "resuming from" in log
     assert (out / "broken-checkpoint-4").is_dir() and (out / "broken-checkpoint-3").is_dir() and more["step"] == 6
-    ref = train.run(setup_run(gen, tmp_path, "whole", *const, "train.max_steps=6"))
+    ref = distill.distill.run(setup_run(gen, tmp_path, "whole", *const, "train.max_steps=6"))
     assert losses(more) == losses(ref)  # resumed at step 2: the same as never interrupted
     assert_same_weights(out / "checkpoint-6", tmp_path / "whole" / "distill" / "checkpoint-6")
     for _, path in ck.checkpoints(out):
         (path / "trainer_state" / "state.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"no checkpoint in \S+ can be resumed from: checkpoint-6 \(.*rerun trains from scratch"):
-        train.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=8"))
+        distill.distill.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=8"))
     assert ck.checkpoints(out) == [] and (out / "broken-checkpoint-6").is_dir()
 
 
@@ -344,7 +345,7 @@ def test_specdec_refuses_a_prompt_and_answer_longer_than_the_context(tmp_path, c
 def test_a_key_added_with_plus_is_refused(gen, tmp_path, capsys, override, message):
     cfg = make_cfg(tmp_path, "plus", gen["prompts"], override)
     with pytest.raises(SystemExit) as exc:
-        cli(train.run, cfg)
+        cli(distill.distill.run, cfg)
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "plus").exists()
     # a free-form dict takes any key
@@ -409,13 +410,13 @@ def test_full_disk_while_saving_a_checkpoint_keeps_the_previous_one(gen, tmp_pat
     # torch.save runs twice per checkpoint (rng, state): the 4th call is checkpoint-2's state.pt
     monkeypatch.setattr(torch, "save", no_space(torch.save, fail_on=4))
     with pytest.raises(SystemExit) as exc:
-        cli(train.run, cfg)
+        cli(distill.distill.run, cfg)
     msg = one_error(capsys.readouterr().err)
     assert exc.value.code == 2 and re.search(r"no space left on the device while writing \S+checkpoint-2 ", msg)
     assert [s for s, _ in ck.checkpoints(out)] == [1] and not list(out.glob(".checkpoint-*"))
     assert not (out / "checkpoint-2").exists()
     monkeypatch.undo()
-    caplog.set_level(logging.INFO, logger="distill.train")
-    done = train.run(cfg)  # resumes from checkpoint-1 and finishes
+    caplog.set_level(logging.INFO, logger="distill.distill")
+    done = distill.distill.run(cfg)  # resumes from checkpoint-1 and finishes
     assert re.search(r"resuming from \S+checkpoint-1 ", caplog.text)
     assert done["done"] and [s for s, _ in ck.checkpoints(out)] == [1, 2, 3, 4]

@@ -11,13 +11,13 @@ import shutil
 import pytest
 import torch
 
-from distill import train
+import distill.distill
 from distill.config import ConfigError
 from distill.heads_train import measure_head
 from specdec import SpeculativeDecoder
 from specdec.head_drafter import HeadDrafter
 from specdec.heads import load_head
-from test_train import assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
+from test_distill import assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
 
 HEAD = ("student=head", "head.lr=1e-2", "head.ttt_steps=3")
 
@@ -25,7 +25,7 @@ HEAD = ("student=head", "head.lr=1e-2", "head.ttt_steps=3")
 def test_head_loss_falls_and_best_is_a_loadable_head(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "h", *HEAD, "train.max_steps=10", "train.eval_every=5", "train.save_every=5",
                     "train.batch_size=8")
-    s = train.run(cfg)
+    s = distill.distill.run(cfg)
     ls = losses(s)
     assert s["student"] == "head" and len(ls) == 10 and ls[-1] < 0.8 * ls[0], ls
     out = tmp_path / "h" / "distill"
@@ -66,7 +66,7 @@ def test_head_loss_falls_and_best_is_a_loadable_head(gen, tmp_path):
 
 def test_head_with_draft_vocabulary_and_topk_teacher(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "v", *HEAD, "model.draft_vocab=40", "train.teacher=topk", "train.max_steps=4")
-    s = train.run(cfg)
+    s = distill.distill.run(cfg)
     ls = losses(s)
     assert all(torch.isfinite(torch.tensor(ls))) and ls[-1] < ls[0], ls
     head = load_head(tmp_path / "v" / "distill" / "best")
@@ -75,27 +75,27 @@ def test_head_with_draft_vocabulary_and_topk_teacher(gen, tmp_path):
 
 def test_head_resume_equals_uninterrupted(gen, tmp_path):
     extra = (*HEAD, "train.max_steps=4", "train.save_every=2", "train.eval_every=2")
-    a = train.run(setup_run(gen, tmp_path, "a", *extra))
+    a = distill.distill.run(setup_run(gen, tmp_path, "a", *extra))
     cfg_b = setup_run(gen, tmp_path, "b", *extra)
-    train.run(cfg_b)
+    distill.distill.run(cfg_b)
     out_b = tmp_path / "b" / "distill"
     # what a kill right after checkpoint-2 leaves: no checkpoint-4, a summary not done
     shutil.rmtree(out_b / "checkpoint-4")
     (out_b / "summary.json").unlink()
-    b = train.run(cfg_b)
+    b = distill.distill.run(cfg_b)
     assert b["step"] == 4
     assert_same_weights(tmp_path / "a" / "distill" / "checkpoint-4", out_b / "checkpoint-4")
     assert losses(a) == pytest.approx(losses(b), abs=1e-7)
-    again = train.run(cfg_b)  # done: nothing is trained again
+    again = distill.distill.run(cfg_b)  # done: nothing is trained again
     assert again["done"] and again["step"] == 4
 
 
 def test_head_bad_input(gen, tmp_path):
     with pytest.raises(ConfigError, match="distill.generate"):
-        train.run(make_cfg(tmp_path, "empty", gen["prompts"], *HEAD))
+        distill.distill.run(make_cfg(tmp_path, "empty", gen["prompts"], *HEAD))
     with pytest.raises(ConfigError, match=r"head.layers.*distinct ids in \[1, 1\]"):
-        train.run(setup_run(gen, tmp_path, "lay", *HEAD, "head.layers=[0,1]"))
+        distill.distill.run(setup_run(gen, tmp_path, "lay", *HEAD, "head.layers=[0,1]"))
     with pytest.raises(ConfigError, match="on_policy_fraction"):
-        train.run(setup_run(gen, tmp_path, "onp", *HEAD, "train.on_policy_fraction=0.5"))
+        distill.distill.run(setup_run(gen, tmp_path, "onp", *HEAD, "train.on_policy_fraction=0.5"))
     with pytest.raises(ConfigError, match="ttt_steps"):
-        train.run(setup_run(gen, tmp_path, "ttt", *HEAD, "head.ttt_steps=0"))
+        distill.distill.run(setup_run(gen, tmp_path, "ttt", *HEAD, "head.ttt_steps=0"))

@@ -183,7 +183,7 @@ def test_wandb_gets_the_results_table_offline(tmp_path, monkeypatch):
 
 def test_refuses_to_run_every_stage_in_every_accelerate_process(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="accelerate launch -m distill.train"):
+    with pytest.raises(ConfigError, match="accelerate launch -m distill.distill"):
         pipeline.run(_cfg(tmp_path))
 
 

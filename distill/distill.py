@@ -1,9 +1,9 @@
 """The distill stage: train a same-tokenizer draft on the target's answers; keep the one the target accepts most.
 
-    python -m distill.train model=tiny experiment=smoke run_name=try          # after distill.generate; CPU, seconds
-    python -m distill.train experiment=smoke                                  # embedded SmolLM2, CPU, minutes
-    python -m distill.train student=lora loss=tvd train.teacher=topk train.lr=1e-3
-    accelerate launch --config_file conf/accelerate/cpu-2proc.yaml -m distill.train experiment=smoke
+    python -m distill.distill model=tiny experiment=smoke run_name=try          # after distill.generate; CPU, seconds
+    python -m distill.distill experiment=smoke                                  # embedded SmolLM2, CPU, minutes
+    python -m distill.distill student=lora loss=tvd train.teacher=topk train.lr=1e-3
+    accelerate launch --config_file launch/cpu-2proc.yaml -m distill.distill experiment=smoke
 
 Reads runs/<run>/generate (the target's answers), writes runs/<run>/distill/ (see distill/checkpoint.py).
 One optimizer step sees a global batch of train.batch_size × processes × train.grad_accum records,

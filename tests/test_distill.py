@@ -1,4 +1,4 @@
-"""The distill stage (distill/train.py) on the tiny model: training, saving, resume, two processes, best
+"""The distill stage (distill/distill.py) on the tiny model: training, saving, resume, two processes, best
 checkpoint by α_TF, bad input. Offline, CPU; the generated data comes from distill.generate on the
 tiny target (with top-k logits), made once per module."""
 from __future__ import annotations
@@ -20,9 +20,10 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from distill import checkpoint as ck
-from distill import generate, records, train
+from distill import generate, records
+import distill.distill
 from distill.config import ConfigError
-from distill.train import TrainingDiverged
+from distill.distill import TrainingDiverged
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "conf")
@@ -86,7 +87,7 @@ def test_loss_falls_and_full_student_saves_loadable_models(gen, tmp_path):
 
     cfg = setup_run(gen, tmp_path, "full", "train.max_steps=8", "train.eval_every=4", "train.save_every=4",
                     "train.batch_size=8", "student.freeze_embeddings=false")
-    s = train.run(cfg)
+    s = distill.distill.run(cfg)
     ls = losses(s)
     assert len(ls) == 8 and ls[-1] < 0.8 * ls[0], ls
     out = tmp_path / "full" / "distill"
@@ -100,13 +101,13 @@ def test_loss_falls_and_full_student_saves_loadable_models(gen, tmp_path):
     assert all(k in summary["history"][-1] for k in ("loss", "teacher_forced_acceptance", "tokens_per_s"))
     # frozen embeddings stay exactly the target's
     cfg2 = setup_run(gen, tmp_path, "frozen", "train.max_steps=2", "student.freeze_embeddings=true")
-    train.run(cfg2)
+    distill.distill.run(cfg2)
     target = weights(Path(os.environ.get("SPECDISTILL_CACHE", Path.home() / ".cache" / "specdistill")) / "tiny")
     best = weights(tmp_path / "frozen" / "distill" / "checkpoint-2")
     torch.testing.assert_close(best["model.embed_tokens.weight"], target["model.embed_tokens.weight"], atol=0, rtol=0)
     # frozen first layers stay the target's; the layers after them train
     cfg3 = setup_run(gen, tmp_path, "frozen1", "train.max_steps=2", "model.draft_layers=[0,1]", "student.freeze_layers=1")
-    train.run(cfg3)
+    distill.distill.run(cfg3)
     ck = weights(tmp_path / "frozen1" / "distill" / "checkpoint-2")
     for k in (k for k in target if k.startswith("model.layers.")):
         same = torch.equal(ck[k], target[k])
@@ -116,7 +117,7 @@ def test_loss_falls_and_full_student_saves_loadable_models(gen, tmp_path):
 def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "best", "train.max_steps=6", "train.eval_every=1", "train.save_every=1",
                     "train.lr=3e-2", "loss=tvd", "train.calibrate=false")
-    s = train.run(cfg)
+    s = distill.distill.run(cfg)
     evals = [(h["teacher_forced_acceptance"], -h["step"]) for h in s["history"] if h.get("teacher_forced_acceptance") is not None]
     alpha, neg_step = max(evals)
     assert s["best_step"] == -neg_step and s["best_teacher_forced_acceptance"] == pytest.approx(alpha)
@@ -127,7 +128,7 @@ def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
         assert_same_weights(out / "best", out / f"checkpoint-{s['best_step']}")
     mtime = (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns
     t0 = time.perf_counter()
-    again = train.run(cfg)
+    again = distill.distill.run(cfg)
     assert again["done"] and again["step"] == 6 and time.perf_counter() - t0 < 30
     assert (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns == mtime
 
@@ -137,10 +138,10 @@ def test_best_gets_the_logit_scale_with_the_highest_holdout_alpha(gen, tmp_path)
     from distill.batches import split_holdout, teacher_forced_acceptance_on, to_examples
     from distill.records import load_generated
     from distill.models import load_draft, load_model, load_target
-    from distill.train import LOGIT_SCALES
+    from distill.distill import LOGIT_SCALES
 
     cfg = setup_run(gen, tmp_path, "cal", "train.max_steps=4", "train.eval_every=2", "train.save_every=2", "model.draft_vocab=0")
-    s = train.run(cfg)
+    s = distill.distill.run(cfg)
     out = tmp_path / "cal" / "distill"
     info = json.loads((out / "best" / "best.json").read_text())
     scores = {float(k): v for k, v in info["calibration"].items()}
@@ -166,21 +167,21 @@ def test_best_gets_the_logit_scale_with_the_highest_holdout_alpha(gen, tmp_path)
     got = teacher_forced_acceptance_on(target, load_model(str(out / "best")), held, target.config.vocab_size)
     assert got == pytest.approx(info["teacher_forced_acceptance"], abs=1e-5)
     # a rerun calls the run done and leaves best/ as it is
-    again = train.run(cfg)
+    again = distill.distill.run(cfg)
     assert again["logit_scale"] == info["logit_scale"] and weights(out / "best").keys() == best.keys()
     torch.testing.assert_close(weights(out / "best")["model.norm.weight"], best["model.norm.weight"], atol=0, rtol=0)
 
 
 def test_resume_equals_uninterrupted(gen, tmp_path):
     extra = ("train.max_steps=4", "train.save_every=2", "train.eval_every=2")
-    a = train.run(setup_run(gen, tmp_path, "a", *extra))
+    a = distill.distill.run(setup_run(gen, tmp_path, "a", *extra))
     cfg_b = setup_run(gen, tmp_path, "b", *extra)
-    train.run(cfg_b)
+    distill.distill.run(cfg_b)
     out_b = tmp_path / "b" / "distill"
     # what a kill right after checkpoint-2 leaves: no checkpoint-4, a summary not done
     shutil.rmtree(out_b / "checkpoint-4")
     (out_b / "summary.json").unlink()
-    b = train.run(cfg_b)
+    b = distill.distill.run(cfg_b)
     assert b["step"] == 4
     assert_same_weights(tmp_path / "a" / "distill" / "checkpoint-4", out_b / "checkpoint-4")
     assert losses(a) == pytest.approx(losses(b), abs=1e-7)
@@ -188,9 +189,9 @@ def test_resume_equals_uninterrupted(gen, tmp_path):
 
 def test_kill_9_then_resume_equals_uninterrupted(gen, tmp_path):
     extra = ("train.max_steps=8", "train.save_every=1", "train.eval_every=4")
-    ref = train.run(setup_run(gen, tmp_path, "ref", *extra))
+    ref = distill.distill.run(setup_run(gen, tmp_path, "ref", *extra))
     setup_run(gen, tmp_path, "k", *extra)
-    cmd = [sys.executable, "-m", "distill.train", *overrides(tmp_path, "k", gen["prompts"], *extra)]
+    cmd = [sys.executable, "-m", "distill.distill", *overrides(tmp_path, "k", gen["prompts"], *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = tmp_path / "k" / "distill"
@@ -201,7 +202,7 @@ def test_kill_9_then_resume_equals_uninterrupted(gen, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert killed and (out / "checkpoint-3").exists()
-    s = train.run(make_cfg(tmp_path, "k", gen["prompts"], *extra))
+    s = distill.distill.run(make_cfg(tmp_path, "k", gen["prompts"], *extra))
     assert s["step"] == 8
     assert_same_weights(tmp_path / "ref" / "distill" / "checkpoint-8", out / "checkpoint-8")
     assert losses(ref) == pytest.approx(losses(s), abs=1e-7)
@@ -216,10 +217,10 @@ def free_port() -> int:
 
 def test_two_processes_match_one(gen, tmp_path):
     extra = ("train.max_steps=3", "train.eval_every=3", "train.save_every=3", "train.grad_accum=2")
-    one = train.run(setup_run(gen, tmp_path, "one", "train.batch_size=4", *extra))
+    one = distill.distill.run(setup_run(gen, tmp_path, "one", "train.batch_size=4", *extra))
     setup_run(gen, tmp_path, "two", "train.batch_size=2", *extra)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "-m", "distill.train",
+           "--main_process_port", str(free_port()), "-m", "distill.distill",
            *overrides(tmp_path, "two", gen["prompts"], "train.batch_size=2", *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -236,7 +237,7 @@ def test_lora_saves_adapter_and_merged_model_that_agree(gen, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = setup_run(gen, tmp_path, "lora", "student=lora", "student.lora_r=4", "train.lr=5e-2")
-    train.run(cfg)
+    distill.distill.run(cfg)
     out = tmp_path / "lora" / "distill"
     ckpt = out / "checkpoint-4"
     merged = AutoModelForCausalLM.from_pretrained(ckpt).eval()
@@ -254,7 +255,7 @@ def test_lora_saves_adapter_and_merged_model_that_agree(gen, tmp_path):
 def test_lora_freeze_layers_puts_no_adapter_on_the_first_layers(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "lorafrz", "student=lora", "student.lora_r=4", "train.lr=5e-2", "train.max_steps=2",
                     "model.draft_layers=[0,1]", "student.freeze_layers=1")
-    train.run(cfg)
+    distill.distill.run(cfg)
     ckpt = tmp_path / "lorafrz" / "distill" / "checkpoint-2"
     assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["layers_to_transform"] == [1]
     init, merged = weights(tmp_path / "lorafrz" / "distill" / "init"), weights(ckpt)
@@ -264,30 +265,30 @@ def test_lora_freeze_layers_puts_no_adapter_on_the_first_layers(gen, tmp_path):
 
 
 def test_topk_teacher_on_policy_gradient_checkpointing_and_wandb(gen, tmp_path):
-    s = train.run(setup_run(gen, tmp_path, "topk", "train.teacher=topk", "loss=jsd", "train.max_steps=3",
+    s = distill.distill.run(setup_run(gen, tmp_path, "topk", "train.teacher=topk", "loss=jsd", "train.max_steps=3",
                             "logger=wandb", "wandb_mode=offline"))
     assert s["done"] and all(x == x for x in losses(s))
     assert list((tmp_path / "topk" / "distill").glob("wandb/*"))
-    s = train.run(setup_run(gen, tmp_path, "onp", "train.on_policy_fraction=1.0", "train.on_policy_max_new_tokens=6",
+    s = distill.distill.run(setup_run(gen, tmp_path, "onp", "train.on_policy_fraction=1.0", "train.on_policy_max_new_tokens=6",
                             "train.max_steps=2", "loss=rkl"))
     assert all(h["on_policy"] for h in s["history"][1:]) and all(x == x for x in losses(s))
-    plain = train.run(setup_run(gen, tmp_path, "gc0", "train.max_steps=2"))
-    gc = train.run(setup_run(gen, tmp_path, "gc1", "train.max_steps=2", "train.gradient_checkpointing=true"))
+    plain = distill.distill.run(setup_run(gen, tmp_path, "gc0", "train.max_steps=2"))
+    gc = distill.distill.run(setup_run(gen, tmp_path, "gc1", "train.max_steps=2", "train.gradient_checkpointing=true"))
     assert losses(plain) == pytest.approx(losses(gc), abs=1e-5)
     # prompt_grad=false: the same loss (the first step, same weights), a different gradient path
-    nopg = train.run(setup_run(gen, tmp_path, "pg0", "train.max_steps=2", "train.prompt_grad=false"))
+    nopg = distill.distill.run(setup_run(gen, tmp_path, "pg0", "train.max_steps=2", "train.prompt_grad=false"))
     assert losses(nopg)[0] == pytest.approx(losses(plain)[0], abs=1e-5) and losses(nopg)[1] == losses(nopg)[1]
 
 
 def test_time_budget_stops_with_checkpoint_and_eval(gen, tmp_path):
-    s = train.run(setup_run(gen, tmp_path, "tb", "train.max_steps=50", "train.time_budget_min=1e-6"))
+    s = distill.distill.run(setup_run(gen, tmp_path, "tb", "train.max_steps=50", "train.time_budget_min=1e-6"))
     assert s["stopped"] == "time_budget" and s["step"] == 1 and s["done"]
     assert (tmp_path / "tb" / "distill" / "checkpoint-1").exists()
     assert s["history"][-1]["teacher_forced_acceptance"] is not None
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatch):
-    real = train.chunked_distill_loss
+    real = distill.distill.chunked_distill_loss
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -295,11 +296,11 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatc
         calls["n"] += 1
         return (total * float("nan") if calls["n"] > 2 else total), n
 
-    monkeypatch.setattr(train, "chunked_distill_loss", flaky)
+    monkeypatch.setattr(distill.distill, "chunked_distill_loss", flaky)
     cfg = setup_run(gen, tmp_path, "nan", "train.max_steps=6", "train.save_every=1")
     # step 3's loss comes from checkpoint-2's weights: that one is set aside, checkpoint-1 is the last good one
     with pytest.raises(TrainingDiverged, match=r"step 3 .*micro-batch 0 records .*checkpoint-2 came from .*checkpoint-1"):
-        train.run(cfg)
+        distill.distill.run(cfg)
     out = tmp_path / "nan" / "distill"
     assert (out / "checkpoint-1" / "trainer_state" / "state.pt").exists() and not (out / "checkpoint-3").exists()
     assert (out / "diverged-checkpoint-2").is_dir() and [s for s, _ in ck.checkpoints(out)] == [1]
@@ -307,42 +308,42 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatc
 
 def test_a_draft_of_other_records_is_not_resumed(gen, tmp_path):
     cfg = setup_run(gen, tmp_path, "data", "train.max_steps=2")
-    first = train.run(cfg)
+    first = distill.distill.run(cfg)
     assert first["data"] == records.data_key(tmp_path / "data")
     shard = sorted((tmp_path / "data" / "generate").glob("*.parquet"))[-1]
     t = pq.read_table(shard)
     pq.write_table(t.slice(0, t.num_rows - 2), shard)  # the run's records change (here: two fewer)
     with pytest.raises(ConfigError, match="train.resume=never"):
-        train.run(cfg)
-    again = train.run(make_cfg(tmp_path, "data", gen["prompts"], "train.max_steps=2", "train.resume=never"))
+        distill.distill.run(cfg)
+    again = distill.distill.run(make_cfg(tmp_path, "data", gen["prompts"], "train.max_steps=2", "train.resume=never"))
     assert again["done"] and again["data"] == records.data_key(tmp_path / "data") != first["data"]
-    assert train.run(cfg)["data"] == again["data"]  # and now resumes (done) as usual
+    assert distill.distill.run(cfg)["data"] == again["data"]  # and now resumes (done) as usual
 
 
 def test_bad_input(gen, tmp_path):
     with pytest.raises(ConfigError, match="distill.generate"):
-        train.run(make_cfg(tmp_path, "empty", gen["prompts"]))
+        distill.distill.run(make_cfg(tmp_path, "empty", gen["prompts"]))
     cfg = setup_run(gen, tmp_path, "tok", "train.max_steps=1")
     man = tmp_path / "tok" / "generate" / "manifest.json"
     man.write_text(json.dumps({**json.loads(man.read_text()), "tokenizer_fingerprint": "0" * 16}))
     with pytest.raises(ConfigError, match="another tokenizer"):
-        train.run(cfg)
+        distill.distill.run(cfg)
     with pytest.raises(ConfigError, match="lora_target_modules.*c_attn.*q_proj"):
-        train.run(setup_run(gen, tmp_path, "lora", "student=lora", "student.lora_target_modules=[c_attn]"))
+        distill.distill.run(setup_run(gen, tmp_path, "lora", "student=lora", "student.lora_target_modules=[c_attn]"))
     with pytest.raises(ConfigError, match="store_topk"):
-        train.run(setup_run(gen, tmp_path, "topk0", "train.teacher=topk", "generate.store_topk=0"))
+        distill.distill.run(setup_run(gen, tmp_path, "topk0", "train.teacher=topk", "generate.store_topk=0"))
     cfg = setup_run(gen, tmp_path, "nocol", "train.teacher=topk")
     for f in (tmp_path / "nocol" / "generate").glob("*.parquet"):
         t = pq.read_table(f)
         pq.write_table(t.drop(["topk_ids", "topk_logits"]).replace_schema_metadata(t.schema.metadata), f)
     with pytest.raises(ConfigError, match="no top-k logits"):
-        train.run(cfg)
+        distill.distill.run(cfg)
     with pytest.raises(ConfigError, match="freeze_layers=1 must leave"):
-        train.run(setup_run(gen, tmp_path, "frz", "student.freeze_layers=1"))
+        distill.distill.run(setup_run(gen, tmp_path, "frz", "student.freeze_layers=1"))
     with pytest.raises(ConfigError, match="holdout"):
-        train.run(setup_run(gen, tmp_path, "held", "train.holdout=100"))
+        distill.distill.run(setup_run(gen, tmp_path, "held", "train.holdout=100"))
     # the CLI: one line on stderr, exit code 2
-    res = subprocess.run([sys.executable, "-m", "distill.train", *overrides(tmp_path, "cli", gen["prompts"], "loss.name=foo")],
+    res = subprocess.run([sys.executable, "-m", "distill.distill", *overrides(tmp_path, "cli", gen["prompts"], "loss.name=foo")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "loss.name='foo'" in res.stderr
 
@@ -369,10 +370,10 @@ def test_draft_vocabulary_trains_and_scores_q_as_decoded(gen, tmp_path):
     from distill.records import run_draft_vocab
 
     cfg = setup_run(gen, tmp_path, "dv", "model.draft_vocab=40", "train.teacher=topk", "train.eval_every=1")
-    s = train.run(cfg)
+    s = distill.distill.run(cfg)
     assert s["settings"]["draft_vocab"] == 40 and all(x == x for x in losses(s))
     # on-policy steps sample from the draft vocabulary and are scored online (also restricted to it)
-    onp = train.run(setup_run(gen, tmp_path, "dvo", "model.draft_vocab=40", "train.on_policy_fraction=1.0",
+    onp = distill.distill.run(setup_run(gen, tmp_path, "dvo", "model.draft_vocab=40", "train.on_policy_fraction=1.0",
                               "train.on_policy_max_new_tokens=6", "train.max_steps=2", "loss=rkl"))
     assert all(h["on_policy"] for h in onp["history"][1:]) and all(x == x for x in losses(onp))
     target, _ = load_target(cfg.model)
@@ -392,7 +393,7 @@ def test_draft_vocabulary_trains_and_scores_q_as_decoded(gen, tmp_path):
     for e in sample_on_policy(target, held, 8, tok, "cpu", few):
         assert set(e.response_ids) <= set(few.ids.tolist())
     # train.draft_vocab=false: the whole head is trained and scored, the draft vocabulary is decode-only
-    s2 = train.run(setup_run(gen, tmp_path, "dv0", "model.draft_vocab=40", "train.draft_vocab=false", "train.max_steps=1"))
+    s2 = distill.distill.run(setup_run(gen, tmp_path, "dv0", "model.draft_vocab=40", "train.draft_vocab=false", "train.max_steps=1"))
     assert s2["settings"]["draft_vocab"] == 0
 
 
@@ -439,7 +440,7 @@ def test_prompt_ce_adds_the_drafts_language_model_loss_on_prompt_tokens():
             lc = OmegaConf.create({"name": "fkl", "beta": 0.5, "temperature": 1.0, "ce_weight": 0.0,
                                    "chunk_size": 4, "prompt_ce_weight": w})
             with torch.no_grad():
-                return train.DraftLoss(draft, lc, 259, subset=subset)(
+                return distill.distill.DraftLoss(draft, lc, 259, subset=subset)(
                     b["input_ids"], b["attention_mask"], b["positions"], b["labels"], teacher)
 
         (base, n0), (mixed, n1) = loss(0.0), loss(0.5)
