@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -417,3 +418,9 @@ def validate(cfg: DictConfig | Config) -> None:
 def run_dir(cfg: DictConfig) -> str:
     """runs/<run_name>: the directory all stages of one run share."""
     return os.path.join(cfg.runs_root, cfg.run_name)
+
+
+def stage_path(cfg: DictConfig, stage: str) -> Path:
+    """runs/<run_name>/<stage>: where `stage` (generate, distill, distill-head, evaluate, publish) writes, and
+    where the stages after it read it (not created here)."""
+    return Path(run_dir(cfg)) / stage

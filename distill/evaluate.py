@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from distill import report as report_mod
-from distill.config import DRAFT_KINDS, HEAD_STAGE, REFERENCES, ConfigError, run_dir
+from distill.config import DRAFT_KINDS, HEAD_STAGE, REFERENCES, ConfigError, run_dir, stage_path
 from distill.doctor import diagnose, noise_flags
 from distill.eval_rows import decoded_row, hf_assisted_row, replayed_row, sampled_row, with_costs, with_timing
 from distill.evalsets import EvalSet, Prompt, load_eval_sets, round_robin  # noqa: F401 (Prompt: for callers)
@@ -102,12 +102,12 @@ def _step(p: str) -> tuple[int, str]:
 def resolve_drafts(cfg: DictConfig) -> list[tuple[str, str]]:
     """(name, path or model id) of every draft in evaluate.drafts, de-duplicated; ConfigError when a
     name or glob matches nothing."""
-    ddir = Path(run_dir(cfg)) / "distill"
+    ddir = stage_path(cfg, "distill")
     found: list[tuple[str, str]] = []
     for spec in cfg.evaluate.drafts:
         spec = str(spec)
         if spec in ("best", "head"):
-            best = (ddir if spec == "best" else Path(run_dir(cfg)) / HEAD_STAGE) / "best"
+            best = (ddir if spec == "best" else stage_path(cfg, HEAD_STAGE)) / "best"
             if not best.is_dir():
                 how = "" if spec == "best" else " with head.also=true (or student=head run_name=<another run>)"
                 raise ConfigError(f"evaluate.drafts has {spec!r} but {best} does not exist: run the distill stage "

@@ -41,7 +41,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
-from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, validate
+from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, stage_path, validate
 from distill import tables
 from distill.publish import pick
 from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
@@ -242,12 +242,12 @@ def run(cfg: DictConfig) -> dict:
         results["stages"][stage] = importlib.import_module(MODULES[stage]).run(cfg)
 
     rd = Path(run_dir(cfg))
-    report_path = rd / "evaluate" / "report.json"
+    report_path = stage_path(cfg, "evaluate") / "report.json"
     if not report_path.is_file():
         log.warning("no %s yet: run the evaluate stage for the results table", report_path)
         return results
     report = read_json(report_path)
-    summary_path = rd / "distill" / "summary.json"
+    summary_path = stage_path(cfg, "distill") / "summary.json"
     text, cells = results_markdown(cfg, report, read_json(summary_path) if summary_path.is_file() else None, hc)
     write_if_changed(rd / "results.md", text)
     print("\n" + tables.markdown(HEADERS, cells) + f"\n\n(written to {rd / 'results.md'})", flush=True)

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
 from distill import tables
-from distill.config import ConfigError, run_dir
+from distill.config import ConfigError, run_dir, stage_path
 from distill.models import check_tokenizers, load_draft, load_tokenizer
 from distill.records import check_records_owner, run_draft_vocab
 from distill.templates import prompt_code, stop_strings
@@ -81,9 +81,9 @@ def resolve_draft(cfg: DictConfig) -> DraftSource:
     """Find the draft to publish: publish.draft is "fastest" (the draft the evaluation ranks first: a
     standalone draft or the feature head; distill/best when there is no report yet), "best", a checkpoint
     name of this run, or a path."""
-    distill_dir = Path(run_dir(cfg)) / "distill"
+    distill_dir = stage_path(cfg, "distill")
     want = cfg.publish.draft
-    report_path = Path(run_dir(cfg)) / "evaluate" / "report.json"
+    report_path = stage_path(cfg, "evaluate") / "report.json"
     top = (read_json(report_path).get("best") or {}) if want == "fastest" and report_path.is_file() else {}
     if top.get("draft"):
         path, name = Path(top["draft"]), str(top["name"])
@@ -393,7 +393,7 @@ def merge_adapter(adapter_dir: Path, cfg: DictConfig):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    init = Path(run_dir(cfg)) / "distill" / "init"
+    init = stage_path(cfg, "distill") / "init"
     base = AutoModelForCausalLM.from_pretrained(init) if _is_model_dir(init) else load_draft(cfg.model).cpu()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -532,11 +532,11 @@ def run(cfg: DictConfig) -> dict:
     if not cfg.publish.dry_run:
         _check_upload_settings(cfg)
     src = resolve_draft(cfg)
-    report_path = rd / "evaluate" / "report.json"
+    report_path = stage_path(cfg, "evaluate") / "report.json"
     report = read_json(report_path) if report_path.is_file() else None
     problems = check_report(report, src, report_path, cfg)
     # the summary of the stage that trained this draft (distill/, or distill-head/ for the head beside it)
-    sdir = src.path.parent if (src.path.parent / "summary.json").is_file() else rd / "distill"
+    sdir = src.path.parent if (src.path.parent / "summary.json").is_file() else stage_path(cfg, "distill")
     summary = read_json(sdir / "summary.json") if (sdir / "summary.json").is_file() else None
     if summary and summary.get("target", cfg.model.target) != cfg.model.target and src.name in ("best", "head"):
         raise ConfigError(f"{src.path} was distilled for model.target={summary['target']!r}, not {cfg.model.target!r}; "

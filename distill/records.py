@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import ConfigError, DataConfig, run_dir
+from distill.config import ConfigError, DataConfig, run_dir, stage_path
 from distill.models import resolve_device, resolve_dtype, tokenizer_fingerprint
 from distill.utils import writing
 from specdec.drafters import frequent_tokens
@@ -139,7 +139,7 @@ def check_records_owner(cfg: DictConfig, tok: Any = None) -> None:
     """Refuse, before any work, records in runs/<run>/generate that another target, revision, tokenizer
     (when `tok` is given) or sampling setting made than cfg's: one ConfigError naming both and the fix.
     Shards that carry no settings (written by hand) pass."""
-    out = Path(cfg.runs_root) / cfg.run_name / "generate"
+    out = stage_path(cfg, "generate")
     want = _owner(identity(cfg, tok) if tok is not None else {
         "model": {"target": cfg.model.target, "revision": cfg.model.revision},
         "sampling": sampling_identity(cfg)}, tok is not None)

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from distill import checkpoint as ck
-from distill.config import ConfigError, run_dir
+from distill.config import ConfigError, run_dir, stage_path
 from distill.models import load_tokenizer, resolve_device, tokenizer_fingerprint
 from distill.records import check_records_owner, data_key, load_generated
 from distill.utils import read_json, start_stage
@@ -32,7 +32,7 @@ def check_generated(cfg: DictConfig, tok: Any) -> Any:
     if len(records) == 0:
         raise ConfigError(f"{run_dir(cfg)}/generate holds no records; run `python -m distill.generate "
                           f"run_name={cfg.run_name}` first")
-    man_path = os.path.join(run_dir(cfg), "generate", "manifest.json")
+    man_path = stage_path(cfg, "generate") / "manifest.json"
     if os.path.exists(man_path):
         fp = read_json(man_path).get("tokenizer_fingerprint")
         if fp and fp != tokenizer_fingerprint(tok):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import ConfigError, run_dir, validate
+from distill.config import ConfigError, run_dir, stage_path, validate
 
 log = logging.getLogger("distill")
 
@@ -63,7 +63,7 @@ def read_json(path: str | Path) -> Any:
 
 def stage_dir(cfg: DictConfig, stage: str) -> Path:
     """runs/<run_name>/<stage> (created)."""
-    d = Path(run_dir(cfg)) / stage
+    d = stage_path(cfg, stage)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
