@@ -1,7 +1,11 @@
 """Checkpoints, the best draft and the summary of the distill stage (runs/<run>/distill/).
 
-    checkpoint-<step>/   plain HF model dir (config.json, safetensors, tokenizer) + trainer_state/
-                         (state.pt: optimizer, scheduler, step, history; rng-<rank>.pt per process).
+    checkpoint-<step>/   plain HF model dir (config.json, safetensors, tokenizer), plus
+                         trainer_state.json   step, history (log_history as the transformers Trainer
+                                              writes it), tokens, time, world size, global batch
+                         accelerate/          accelerator.save_state: model, optimizer, scheduler and
+                                              every process's RNG (sharded or engine-owned under FSDP
+                                              and DeepSpeed, as accelerate saves them there)
                          A LoRA student keeps its adapter in adapter/ (its base is distill/init/) and,
                          with student.merge, the merged plain model at the top level.
     best/                plain HF model dir of the step with the highest α_TF (+ best.json)
@@ -23,14 +27,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
+from safetensors import safe_open
 
 from distill.utils import atomic_write_json, read_json, writing
 from specdec.files import replace_dir
@@ -38,7 +41,9 @@ from specdec.files import replace_dir
 log = logging.getLogger(__name__)
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-STATE = "trainer_state"
+STATE = "trainer_state.json"
+ACC_STATE = "accelerate"
+TRAINING_FILES = (STATE, ACC_STATE)  # what a checkpoint holds beside its model: never part of a published draft
 
 
 def is_peft(model: torch.nn.Module) -> bool:
@@ -50,7 +55,7 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
     found = []
     for p in out.glob("checkpoint-*"):
         m = CKPT_RE.match(p.name)
-        if m and (p / STATE / "state.pt").exists():
+        if m and (p / STATE).is_file() and (p / ACC_STATE).is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -107,53 +112,47 @@ def save_model_dir(model: torch.nn.Module, tok: Any, path: Path, merge: bool = T
     tok.save_pretrained(path)
 
 
-def save_checkpoint(
-    out: Path,
-    step: int,
-    model: torch.nn.Module,
-    tok: Any,
-    state: dict,
-    rank: int,
-    is_main: bool,
-    barrier: Callable[[], None],
-    merge: bool = True,
-    keep: int = 3,
-) -> Path:
-    """Write checkpoint-<step> atomically from every process (each saves its RNG), keep the last `keep`."""
+def save_checkpoint(out: Path, step: int, acc: Any, model: torch.nn.Module, tok: Any, state: dict,
+                    merge: bool = True, keep: int = 3) -> Path:
+    """Write checkpoint-<step> atomically (called by every process: each saves its own RNG, and under FSDP
+    or DeepSpeed its shard), then keep the last `keep`. `state`: trainer_state.json's contents."""
     final = out / f"checkpoint-{step}"
     tmp = out / f".checkpoint-{step}.tmp"
     drop = lambda: shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731 (a failed write leaves no half checkpoint)
-    if is_main:
+    if acc.is_main_process:
         drop()
         with writing(final, drop):
             save_model_dir(model, tok, tmp, merge)
-            (tmp / STATE).mkdir()
-    barrier()
+    acc.wait_for_everyone()
     with writing(final, drop):
-        torch.save(rng_state(), tmp / STATE / f"rng-{rank}.pt")
-    barrier()
-    if is_main:
+        acc.save_state(str(tmp / ACC_STATE))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
         with writing(final, drop):
-            torch.save(state, tmp / STATE / "state.pt")
-            atomic_write_json(tmp / STATE / "trainer_state.json", {k: v for k, v in state.items() if k in INFO_KEYS})
+            atomic_write_json(tmp / STATE, state)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         for _, old in checkpoints(out)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    acc.wait_for_everyone()
     return final
 
 
-INFO_KEYS = ("step", "records_seen", "epoch", "train_tokens", "elapsed_s", "world_size", "global_batch")
+def check_model_dir(ckpt: Path) -> None:
+    """Raise when a checkpoint's HF model files (what evaluate and publish read) are truncated or corrupt:
+    safetensors checks each file's header against its size on opening."""
+    for f in [*ckpt.glob("*.safetensors"), *ckpt.glob("adapter/*.safetensors")]:
+        with safe_open(str(f), "pt"):
+            pass
 
 
-def load_trainer_state(ckpt: Path, rank: int) -> tuple[dict, Optional[dict]]:
-    """(state.pt contents, this rank's RNG state or None when the process count changed)."""
-    state = torch.load(ckpt / STATE / "state.pt", weights_only=False)
-    rng_path = ckpt / STATE / f"rng-{rank}.pt"
-    rng = torch.load(rng_path, weights_only=False) if rng_path.exists() else None
-    return state, rng
+def load_checkpoint(acc: Any, ckpt: Path) -> dict:
+    """Restore model, optimizer, scheduler and this process's RNG from a checkpoint (accelerator.load_state);
+    returns its trainer_state.json. Raises whatever a damaged file raises."""
+    state = read_json(ckpt / STATE)
+    acc.load_state(str(ckpt / ACC_STATE))
+    return state
 
 
 def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
@@ -168,21 +167,6 @@ def load_weights(model: torch.nn.Module, ckpt: Path) -> None:
 
     loaded = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=next(model.parameters()).dtype)
     model.load_state_dict(loaded.state_dict())
-
-
-def rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
 
 
 def save_best(out: Path, model: torch.nn.Module, tok: Any, info: dict, merge: bool = True) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -233,6 +234,10 @@ class Config:
     wandb_project: str = "specdistill"
     stages: list[str] = field(default_factory=lambda: ["generate", "distill", "evaluate", "publish"])
     gamma: Optional[int] = None  # shorthand for evaluate.gammas=[gamma], for sweeps: -m gamma=3,5
+    # A stage writes runs/<run>/<stage>@<tag> (and config@<tag>.yaml) and reads an earlier stage's tagged dir made
+    # from the most of its overrides, else <stage>: the jobs of one stage's sweep (`python -m distill.distill -m
+    # loss=fkl,tvd`) share a run dir, not their output. null: a stage sweep job's overrides (distill/sweep.py), else none
+    stage_tag: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval_data: dict[str, DataConfig] = field(default_factory=dict)
@@ -297,6 +302,12 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
     return found
 
 
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """' (did you mean <prefix><closest>?)' for the known name closest to `name`, or '' when none is close."""
+    near = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+    return f" (did you mean {prefix}{near[0]}?)" if near else ""
+
+
 def validate(cfg: DictConfig | Config) -> None:
     """Raise ConfigError (one message naming the fix) for values no stage can run with."""
     if not isinstance(cfg, DictConfig):
@@ -310,8 +321,7 @@ def validate(cfg: DictConfig | Config) -> None:
     for key in unknown_keys(cfg):
         section, _, name = key.rpartition(".")
         known = [f.name for f in dataclasses.fields(OmegaConf.get_type(OmegaConf.select(cfg, section) if section else cfg))]
-        near = difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean {section + '.' if section else ''}{near[0]}?)" if near else ""
+        hint = did_you_mean(name, known, f"{section}." if section else "")
         errors.append(f"{key} is not a setting: `+` added it and no stage reads it; remove it{hint}")
     for key, allowed in CHOICES.items():
         val = _get(cfg, key)
@@ -420,7 +430,31 @@ def run_dir(cfg: DictConfig) -> str:
     return os.path.join(cfg.runs_root, cfg.run_name)
 
 
-def stage_path(cfg: DictConfig, stage: str) -> Path:
+def stage_path(cfg: DictConfig, stage: str, own: bool = False) -> Path:
     """runs/<run_name>/<stage>: where `stage` (generate, distill, distill-head, evaluate, publish) writes, and
-    where the stages after it read it (not created here)."""
-    return Path(run_dir(cfg)) / stage
+    where the stages after it read it (not created here). With cfg.stage_tag set: <stage>@<tag> for the
+    stage being run (own=True: start_stage), and for a stage run before it the best of `read_tags`, or
+    <stage> untagged when none fits (a stage that was not swept)."""
+    base = Path(run_dir(cfg))
+    tag = cfg.get("stage_tag")
+    if tag and not own:
+        tag = next(iter(read_tags(base, stage, str(tag))), None)
+    return base / f"{stage}@{tag}" if tag else base / stage
+
+
+def tag_overrides(tag: str) -> frozenset[str]:
+    """The overrides a stage tag was made from (distill/sweep.py joins them with ','): split before each key=."""
+    return frozenset(re.split(r",(?=\+{0,2}[A-Za-z_][\w.+-]*=)", tag))
+
+
+def read_tags(base: Path, stage: str, tag: str) -> list[str]:
+    """The tags of the <stage>@* dirs under `base` that a job tagged `tag` may read, best first: its own tag;
+    else the tags made from the most of its overrides (the sweep before it had fewer: an evaluate sweep with
+    the distill sweep's overrides plus evaluate.* ones), several when those tie; [] when none fits."""
+    if (base / f"{stage}@{tag}").is_dir():
+        return [tag]
+    mine = tag_overrides(tag)
+    fits = [t for t in (d.name.split("@", 1)[1] for d in base.glob(f"{stage}@*") if d.is_dir())
+            if tag_overrides(t) <= mine]
+    most = max((len(tag_overrides(t)) for t in fits), default=0)
+    return sorted(t for t in fits if len(tag_overrides(t)) == most)

@@ -30,7 +30,8 @@ from typing import Any, Optional
 
 import datasets
 
-from distill.config import ConfigError, DataConfig
+from distill.cli import as_typed, value_error
+from distill.config import ConfigError, DataConfig, did_you_mean
 from distill.templates import CHAT, format_prompt, uses_chat_template, warn_no_chat_template
 
 log = logging.getLogger(__name__)
@@ -459,15 +460,47 @@ def _as_id_list(out: Any) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Print a preview of a prompt source: `python -m distill.data key=value ...` (DataConfig keys)."""
-    from omegaconf import OmegaConf
+    """Print a preview of a prompt source: `python -m distill.data key=value ...` (DataConfig keys; --help).
+    A mistyped key, a bad value or a source that cannot load is one line on stderr and exit code 2."""
+    import argparse
+    import dataclasses
 
-    overrides = OmegaConf.from_dotlist(list(argv if argv is not None else sys.argv[1:]))
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), overrides))
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    def fail(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    cfg = OmegaConf.structured(DataConfig)
+    keys = [f.name for f in dataclasses.fields(DataConfig)]
+    parser = argparse.ArgumentParser(
+        prog="python -m distill.data", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Preview a prompt source: how many prompts it gives, their categories and the first three.",
+        epilog="settings, key=default (the stages' data.* keys, also with the data. prefix):\n"
+               + "\n".join(f"  {k}={as_typed(cfg[k])}" for k in keys)
+               + "\n\nexamples:\n  python -m distill.data source=mt_bench limit=3\n"
+               "  python -m distill.data source=stdlib shuffle=true limit=5 seed=1\n"
+               "  python -m distill.data source=file path=prompts.jsonl prompt_column=question\n"
+               "  python -m distill.data source=hub path=HuggingFaceH4/ultrachat_200k split=train_sft "
+               "messages_column=messages limit=3   # needs a network")
+    parser.add_argument("settings", nargs="*", metavar="key=value", help="DataConfig settings (listed below)")
+    parser.error = lambda message: fail(f"{message}; see python -m distill.data --help")  # type: ignore[method-assign]
+    for item in parser.parse_args(argv).settings:
+        key, sep, value = item.partition("=")
+        key = key.removeprefix("data.")
+        if not sep:
+            fail(f"{item!r} is not key=value, e.g. source=mt_bench; see python -m distill.data --help")
+        if key not in keys:
+            fail(f"{key} is not a setting{did_you_mean(key, keys)}; python -m distill.data --help lists them")
+        try:
+            cfg.merge_with(OmegaConf.from_dotlist([f"{key}={value}"]))
+        except OmegaConfBaseException as e:
+            fail(value_error(item, e))
     try:
-        ds = load_prompts(cfg)
+        ds = load_prompts(OmegaConf.to_object(cfg))
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     print(f"{len(ds)} prompts from {cfg.source}; categories: {sorted(set(ds['category']))}")
     for rec in ds.select(range(min(3, len(ds)))):
         print(f"--- {rec['id']} [{rec['category']}]\n{rec['messages'][-1]['content'][:400]}")

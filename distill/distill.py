@@ -22,8 +22,12 @@ renormalised), so α_TF is exact up to the target's tail mass beyond them (repor
 train.calibrate (full student), best/'s logits are then scaled by the one factor that maximises α_TF on
 that holdout (written into its final norm; best.json records the fit).
 
-Why one module of this size: the standalone training loop, its resume and its calibration; what it
-shares with the feature head's trainer is in distill/training.py.
+Reads top to bottom: run() and the loop (_run_standalone), then the parts it calls in order: setup()
+builds a Run, resume() continues from the latest good checkpoint (accelerator.load_state), train_step()
+is one optimizer step, evaluate_and_save() measures α_TF, keeps best/ and checkpoints, summary() and
+finish() write the result. Why one module of this size: the standalone draft's loss, loop, resume and
+calibration; what it shares with the feature head's trainer (TrainState, checkpoints, the schedule, the
+logger) is in distill/training.py and distill/checkpoint.py.
 """
 from __future__ import annotations
 
@@ -33,24 +37,27 @@ import logging
 import math
 import random
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from distill import checkpoint as ck
 from distill.batches import LogitScale, collate, decoder_and_head, holdout_reference, measure_alpha, sample_on_policy, split_holdout, to_examples
-from distill.config import HEAD_STAGE, ConfigError
+from distill.config import HEAD_STAGE, ConfigError, stage_path
 from distill.losses import HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, gather_teacher
 from distill.models import load_draft, load_target, shared_vocab_size
+from distill.plots import training_curves
 from distill.heads_train import run as run_head
 from distill.records import run_draft_vocab
 from distill.training import (
-    Logger, TrainingDiverged, apply_step, book_step, check_generated, close_step, global_batch, open_stage, schedule,
+    Logger, TrainingDiverged, TrainState, apply_step, check_generated, close_step, global_batch, open_stage, resume_point,
+    schedule, settings_of,
 )
-from distill.utils import cli
+from distill.cli import cli, stage_main
 
 log = logging.getLogger(__name__)
 
@@ -147,51 +154,6 @@ def make_student(cfg: DictConfig, draft: torch.nn.Module, out) -> torch.nn.Modul
     return draft.train()
 
 
-def _resume_point(out, student: torch.nn.Module, rank: int, acc: Any) -> tuple[int, Any, dict, Optional[dict]]:
-    """Load the latest checkpoint that loads whole and has finite weights into `student` -> (step, dir, its
-    trainer state, this rank's RNG state). Later ones that do not (truncated, corrupt, non-finite) are set
-    aside as broken-checkpoint-<step>, named with the one resumed from; ConfigError when none loads."""
-    broken, found = [], None
-    for step, path in reversed(ck.checkpoints(out)):
-        try:
-            ck.load_weights(student, path)
-            if not ck.all_finite(student):
-                raise ValueError("its weights are not finite")
-            saved, rng = ck.load_trainer_state(path, rank)
-        except Exception as e:  # whatever a damaged file raises (SafetensorError, EOFError, UnpicklingError, ...)
-            broken.append((path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
-            continue
-        found = (step, path, saved, rng)
-        break
-    acc.wait_for_everyone()  # every process has tried them before any is renamed
-    if acc.is_main_process:
-        for path, _ in broken:
-            ck.set_aside(path, "broken")
-    acc.wait_for_everyone()
-    what = "; ".join(f"{p.name} ({why})" for p, why in broken)
-    if found is None:
-        raise ConfigError(f"no checkpoint in {out} can be resumed from: {what}; they are set aside as broken-*, so a "
-                          "rerun trains from scratch (or set train.resume=never now)")
-    for path, why in broken:
-        log.warning("distill: %s cannot be resumed from (%s); set aside as broken-%s. Resuming from the previous "
-                    "good checkpoint %s instead", path, why, path.name, found[1].name)
-    return found
-
-
-def _use_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
-    """After loading a checkpoint: schedule train.lr (not the rate saved with it), so that a rerun with a
-    lower train.lr after a divergence trains with that rate from the resumed step on."""
-    if all(b == lr for b in scheduler.base_lrs):
-        return
-    log.info("distill: train.lr=%g (the checkpoint was trained with %g): the resumed steps use %g",
-             lr, scheduler.base_lrs[0], lr)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-
-
 def run(cfg: DictConfig) -> dict:
     """Train (or finish training) the draft of runs/<run>; returns the summary (also distill/summary.json).
     With head.also, then a feature head beside it (runs/<run>/distill-head; its summary under "head")."""
@@ -217,8 +179,88 @@ def _run_standalone(cfg: DictConfig) -> dict:
     out, acc, records_key, finished = open_stage(cfg)
     if finished:
         return finished
-    t, lc = cfg.train, cfg.loss
+    r = setup(cfg, out, acc, records_key)
+    resume(r)
+    t = cfg.train
+    logger = Logger(cfg, out, acc.is_main_process)
+    if r.state.step == 0:
+        logger.log(r.state.history[0])  # the undistilled draft's α_TF
+    timed = math.isfinite(r.budget_s)  # the bar counts seconds of the budget, else steps
+    bar = tqdm(total=int(r.budget_s) if timed else t.max_steps, initial=int(r.state.elapsed_s) if timed else r.state.step,
+               unit="s" if timed else "step", desc=f"distill ({t.time_budget_min:g} min budget)" if timed else "distill",
+               disable=not acc.is_main_process)
+    r.start_clock()
+    while r.state.step < t.max_steps:
+        entry, over, last_step = train_step(r)
+        stop = evaluate_and_save(r, entry, logger, last_step, over)
+        alpha_now = next((h["teacher_forced_acceptance"] for h in reversed(r.state.history)
+                          if h.get("teacher_forced_acceptance") is not None), None)
+        bar.update(min(int(r.state.elapsed_s), bar.total) - bar.n if timed else 1)
+        bar.set_postfix(step=r.state.step, loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}",
+                        alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-")
+        if stop:
+            r.stopped = "time_budget"
+            break
+    bar.close()
+    return finish(r, logger)
 
+
+@dataclass
+class Run:
+    """One distill run's parts, as setup() builds them; the loop's functions below take it."""
+    cfg: DictConfig
+    out: Path
+    acc: Any
+    tok: Any
+    target: Optional[torch.nn.Module]  # None when nothing needs it after the holdout reference (topk teacher)
+    student: torch.nn.Module
+    model: torch.nn.Module  # the student inside its loss, as accelerate prepared it
+    optimizer: Any
+    scheduler: Any
+    subset: Optional[VocabSubset]
+    vocab: int
+    train_set: list
+    holdout: list
+    ref: Any  # the target's reference distributions on this process's share of the holdout
+    records_key: str
+    state: TrainState = field(default_factory=TrainState)
+    best: dict = field(default_factory=dict)  # best/best.json: the step of the highest α_TF so far
+    stopped: str = "max_steps"
+    clock: tuple = (0.0, 0.0)  # (perf_counter, state.elapsed_s) when this process started training
+
+    @property
+    def global_batch(self) -> int:
+        t = self.cfg.train
+        return t.batch_size * self.acc.num_processes * t.grad_accum
+
+    @property
+    def budget_s(self) -> float:
+        t = self.cfg.train
+        return t.time_budget_min * 60 if t.time_budget_min else math.inf
+
+    def start_clock(self) -> None:
+        self.clock = (time.perf_counter(), self.state.elapsed_s)
+
+    def elapsed(self) -> float:
+        """Wall time of the run so far, resumed attempts included."""
+        return self.clock[1] + time.perf_counter() - self.clock[0]
+
+    def alpha(self) -> float:
+        """α_TF on the whole holdout (every process scores its share)."""
+        num, den = measure_alpha(self.student, self.ref, self.acc.device, self.cfg.loss.chunk_size, self.vocab, self.subset)
+        tot = self.acc.reduce(torch.tensor([num, den], dtype=torch.float64, device=self.acc.device), "sum")
+        return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
+
+    def finite(self) -> bool:
+        """Every process's weights are finite (checked before anything is written)."""
+        bad = torch.tensor(0.0 if ck.all_finite(self.student) else 1.0, device=self.acc.device)
+        return float(self.acc.reduce(bad, "max")) == 0
+
+
+def setup(cfg: DictConfig, out: Path, acc: Any, records_key: str) -> Run:
+    """Load the target and the draft, split the records, build the student, its optimizer and schedule, and
+    the target's reference distributions on the holdout."""
+    t, lc = cfg.train, cfg.loss
     mcfg = OmegaConf.merge(cfg.model, {"device": str(acc.device)})
     target, tok = load_target(mcfg)
     records = check_generated(cfg, tok)
@@ -237,166 +279,179 @@ def _run_standalone(cfg: DictConfig) -> dict:
     # the fused kernel: one pass over the weights instead of one per operation
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=t.lr,
                                   weight_decay=t.weight_decay, fused=acc.device.type in ("cpu", "cuda"))
-    model = acc.prepare(DraftLoss(student, lc, vocab, prompt_grad=t.prompt_grad or t.gradient_checkpointing, subset=subset))
-    rank, world = acc.process_index, acc.num_processes
-    micro = holdout[rank::world]
-    ref = holdout_reference(target, micro, t.batch_size, vocab, acc.device, lc.chunk_size)
-    need_target = t.teacher == "online" or t.on_policy_fraction > 0
-    if not need_target:
-        del target
-        target = None
+    state = TrainState()
+    scheduler = schedule(optimizer, t, lambda: state.elapsed_s)
+    loss = DraftLoss(student, lc, vocab, prompt_grad=t.prompt_grad or t.gradient_checkpointing, subset=subset)
+    model, optimizer = acc.prepare(loss, optimizer)
+    acc.register_for_checkpointing(scheduler)
+    ref = holdout_reference(target, holdout[acc.process_index::acc.num_processes], t.batch_size, vocab, acc.device,
+                            lc.chunk_size)
+    if not (t.teacher == "online" or t.on_policy_fraction > 0):
+        target = None  # the stored top-k logits teach: the target is not needed again
+    return Run(cfg, out, acc, tok, target, student, model, optimizer, scheduler, subset, vocab, train_set, holdout,
+               ref, records_key, state)
 
-    def alpha() -> float:
-        num, den = measure_alpha(student, ref, acc.device, lc.chunk_size, vocab, subset)
-        tot = acc.reduce(torch.tensor([num, den], dtype=torch.float64, device=acc.device), "sum")
-        return float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")
 
-    state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
-    scheduler = schedule(optimizer, t, lambda: state["elapsed_s"])
-    if t.resume == "auto" and ck.checkpoints(out):
-        step0, path, saved, rng = _resume_point(out, student, rank, acc)
-        optimizer.load_state_dict(saved.pop("optimizer"))
-        scheduler.load_state_dict(saved.pop("scheduler"))
-        _use_lr(optimizer, scheduler, t.lr)
-        state.update(saved)
-        if rng is not None:
-            ck.set_rng_state(rng)
-        log.info("distill: resuming from %s (step %d)", path, step0)
-    best = ck.best_info(out) or {}
-    if state["step"] == 0:
-        a0 = alpha()
-        state["init_teacher_forced_acceptance"] = a0
-        state["history"] = [{"step": 0, "loss": None, "teacher_forced_acceptance": a0, "tokens_per_s": None}]
-        if not best or a0 > best["teacher_forced_acceptance"]:
-            best = {"step": 0, "teacher_forced_acceptance": a0}
+def resume(r: Run) -> None:
+    """Continue from the latest good checkpoint (train.resume=auto), else start: α_TF of the undistilled
+    draft is step 0 of the history and the first best/."""
+    t, acc = r.cfg.train, r.acc
+    if t.resume == "auto" and ck.checkpoints(r.out):
+        path, saved = resume_point(r.out, acc, r.student)
+        r.state.__dict__.update(saved.__dict__)  # in place: the schedule reads r.state
+        _use_lr(r.optimizer, r.scheduler, t.lr)
+        log.info("distill: resuming from %s (step %d)", path, r.state.step)
+    r.best = ck.best_info(r.out) or {}
+    if r.state.step == 0:
+        a0 = r.alpha()
+        r.state.init_teacher_forced_acceptance = a0
+        r.state.history = [{"step": 0, "loss": None, "teacher_forced_acceptance": a0, "tokens_per_s": None}]
+        if not r.best or a0 > r.best["teacher_forced_acceptance"]:
+            r.best = {"step": 0, "teacher_forced_acceptance": a0}
             if acc.is_main_process:
-                ck.save_best(out, student, tok, best, cfg.student.merge)
+                ck.save_best(r.out, r.student, r.tok, r.best, r.cfg.student.merge)
 
-    G = t.batch_size * world * t.grad_accum
-    logger = Logger(cfg, out, acc.is_main_process)
-    budget_s = t.time_budget_min * 60 if t.time_budget_min else math.inf
-    timed = math.isfinite(budget_s)  # the bar counts seconds of the budget, else steps
-    bar = tqdm(total=int(budget_s) if timed else t.max_steps, initial=int(state["elapsed_s"]) if timed else state["step"],
-               unit="s" if timed else "step", desc=f"distill ({t.time_budget_min:g} min budget)" if timed else "distill",
-               disable=not acc.is_main_process)
-    stopped = "max_steps"
-    alpha_now = state["history"][-1].get("teacher_forced_acceptance") if state["history"] else None
 
-    def diverged(what: str) -> TrainingDiverged:
-        """Set aside what the weights of state["step"] made (they diverged); the error names the last good
-        checkpoint, the one a rerun resumes from."""
-        bad_step = state["step"]
-        bad = [p.name for s, p in ck.checkpoints(out) if s >= bad_step]
-        if acc.is_main_process:
-            ck.set_aside_diverged(out, bad_step)
+def train_step(r: Run) -> tuple[dict, bool, bool]:
+    """One optimizer step on the next global batch -> (its history entry, over the time budget, the last step).
+
+    Each process takes its micro-batches from the global batch; the loss is normalised by the response
+    tokens of the whole global batch, so the step does not depend on the process count."""
+    t, acc, state = r.cfg.train, r.acc, r.state
+    rank, world, step = acc.process_index, acc.num_processes, state.step
+    t0 = time.perf_counter()
+    batch_ids = global_batch(len(r.train_set), step, r.global_batch, r.cfg.seed)
+    on_policy = t.on_policy_fraction > 0 and random.Random(r.cfg.seed * 1_000_003 + step).random() < t.on_policy_fraction
+    micro_batches = []
+    for a in range(t.grad_accum):
+        lo = (a * world + rank) * t.batch_size
+        exs = [r.train_set[i] for i in batch_ids[lo:lo + t.batch_size]]
+        if on_policy:
+            exs = sample_on_policy(r.student, exs, t.on_policy_max_new_tokens, r.tok, acc.device, r.subset)
+        micro_batches.append(exs)
+    local_n = sum(len(e.response_ids) for exs in micro_batches for e in exs)
+    count = float(acc.reduce(torch.tensor(float(local_n), device=acc.device), "sum"))
+    loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
+    bad = []
+    for a, exs in enumerate(micro_batches):
+        topk = t.teacher == "topk" and not on_policy
+        b = collate(exs, r.tok.pad_token_id, acc.device, with_topk=topk)
+        teacher = _teacher(r.target, b, topk)
+        sync = a == len(micro_batches) - 1
+        with (contextlib.nullcontext() if sync else acc.no_sync(r.model)), acc.autocast():
+            total, _ = r.model(b["input_ids"], b["attention_mask"], b["positions"], b["labels"], teacher)
+            if not torch.isfinite(total):
+                bad.append(f"micro-batch {a} records {[e.id for e in exs]}")
+            acc.backward(total * (world / max(count, 1.0)))
+        loss_sum += total.detach().double()
+    loss = float(acc.reduce(loss_sum, "sum")) / max(count, 1.0)
+    if not math.isfinite(loss):
+        raise _diverged(r, f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'})")
+    apply_step(acc, r.model, r.optimizer, r.scheduler, t.max_grad_norm)
+    dt = time.perf_counter() - t0
+    over, last_step = state.book(acc, t, r.global_batch, dt, count, r.elapsed(), r.budget_s)
+    entry = {"step": state.step, "loss": loss, "lr": r.scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
+             "on_policy": on_policy, "elapsed_s": round(state.elapsed_s, 2)}
+    return entry, over, last_step
+
+
+def evaluate_and_save(r: Run, entry: dict, logger: Logger, last_step: bool, over: bool) -> bool:
+    """α_TF every train.eval_every steps (and at the last): a new best/ when it is the highest so far; the
+    periodic checkpoint and summary. True when the time budget ends the run here."""
+    t = r.cfg.train
+    if r.state.step % t.eval_every == 0 or last_step:
+        a = entry["teacher_forced_acceptance"] = r.alpha()
+        if a > r.best.get("teacher_forced_acceptance", -1.0):
+            if not r.finite():
+                raise _diverged(r, f"the weights are not finite after step {r.state.step}")
+            r.best = {"step": r.state.step, "teacher_forced_acceptance": a}
+            if r.acc.is_main_process:
+                ck.save_best(r.out, r.student, r.tok, r.best, r.cfg.student.merge)
+    return close_step(r.state, entry, t, r.acc, r.out, logger, lambda step: _save(r, step),
+                      lambda done: summary(r, done), r.elapsed, last_step, over)
+
+
+def summary(r: Run, done: bool) -> dict:
+    """summary.json: the run's result, its settings and history."""
+    cfg, t, state, best = r.cfg, r.cfg.train, r.state, r.best
+    rates = [h["tokens_per_s"] for h in state.history if h.get("tokens_per_s")]
+    return {
+        "stage": "distill", "dir": str(r.out), "target": cfg.model.target, "done": done,
+        "stopped": r.stopped if done else None, "step": state.step, "max_steps": t.max_steps,
+        "time_budget_min": t.time_budget_min, "init_teacher_forced_acceptance": state.init_teacher_forced_acceptance,
+        "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
+        "logit_scale": best.get("logit_scale", 1.0),
+        "uncalibrated_best_teacher_forced_acceptance": best.get("uncalibrated_teacher_forced_acceptance",
+                                                                best.get("teacher_forced_acceptance")),
+        "best_dir": str(r.out / "best"), "train_tokens": state.train_tokens, "elapsed_s": round(state.elapsed_s, 2),
+        "tokens_per_s": round(state.train_tokens / state.train_s, 2) if state.train_s else None,
+        "data": r.records_key, "holdout_records": len(r.holdout), "holdout_tail_mass": r.ref.tail_mass,
+        "train_records": len(r.train_set),
+        "settings": {**settings_of(cfg, r.acc.num_processes), "draft_vocab": r.subset.size if r.subset else 0,
+                     "world_size": r.acc.num_processes, "peak_tokens_per_s": max(rates) if rates else None},
+        "history": state.history,
+    }
+
+
+def finish(r: Run, logger: Logger) -> dict:
+    """Calibrate best/ (train.calibrate, full student); write the final summary and plots/distill.png (loss
+    and α_TF per step)."""
+    acc, t = r.acc, r.cfg.train
+    if t.calibrate and "logit_scale" not in r.best and r.cfg.student.kind == "full":
+        r.best = _calibrate(r.student, r.alpha, r.best, r.out / "best")
+        if acc.is_main_process and "logit_scale" in r.best:  # rewritten even for s = 1: best.json records the fit
+            ck.save_best(r.out, r.student, r.tok, r.best, r.cfg.student.merge)
         acc.wait_for_everyone()
-        good = ck.checkpoints(out)
-        aside = f" {', '.join(bad)} came from the weights that diverged: set aside as diverged-*." if bad else ""
-        fix = f"lower train.lr (now {t.lr}) or raise train.warmup_steps (now {t.warmup_steps}), then rerun"
-        if good:
-            return TrainingDiverged(f"{what}; stopped.{aside} The last good checkpoint is {good[-1][1]}; {fix}: "
-                                    f"resume=auto continues from {good[-1][1].name} with the new train.lr")
-        return TrainingDiverged(f"{what}; stopped.{aside} No good checkpoint was saved before it; {fix}: the "
-                                "rerun starts from scratch")
-
-    def finite() -> bool:
-        """Every process's weights are finite (checked before anything is written)."""
-        bad = torch.tensor(0.0 if ck.all_finite(student) else 1.0, device=acc.device)
-        return float(acc.reduce(bad, "max")) == 0
-
-    def save(step: int) -> None:
-        if not finite():  # never write a non-finite checkpoint
-            raise diverged(f"the weights are not finite after step {step}")
-        st = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-              "world_size": world, "global_batch": G}
-        ck.save_checkpoint(out, step, student, tok, st, rank, acc.is_main_process, acc.wait_for_everyone,
-                           cfg.student.merge, t.keep_checkpoints)
-
-    def summarize(done: bool) -> dict:
-        rates = [h["tokens_per_s"] for h in state["history"] if h.get("tokens_per_s")]
-        return {
-            "stage": "distill", "dir": str(out), "target": cfg.model.target, "done": done, "stopped": stopped if done else None,
-            "step": state["step"], "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
-            "init_teacher_forced_acceptance": state.get("init_teacher_forced_acceptance"),
-            "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
-            "logit_scale": best.get("logit_scale", 1.0),
-            "uncalibrated_best_teacher_forced_acceptance": best.get("uncalibrated_teacher_forced_acceptance",
-                                                                    best.get("teacher_forced_acceptance")),
-            "best_dir": str(out / "best"), "train_tokens": state["train_tokens"], "elapsed_s": round(state["elapsed_s"], 2),
-            "tokens_per_s": round(state["train_tokens"] / state["train_s"], 2) if state["train_s"] else None,
-            "data": records_key, "holdout_records": len(holdout), "holdout_tail_mass": ref.tail_mass, "train_records": len(train_set),
-            "settings": {"loss": OmegaConf.to_container(lc), "student": OmegaConf.to_container(cfg.student),
-                         "train": OmegaConf.to_container(t), "draft_layers": list(cfg.model.draft_layers),
-                         "draft_init": cfg.model.draft_init, "draft_vocab": subset.size if subset else 0, "world_size": world, "global_batch": G,
-                         "peak_tokens_per_s": max(rates) if rates else None},
-            "history": state["history"],
-        }
-
-    wall0, elapsed0 = time.perf_counter(), state["elapsed_s"]
-    elapsed = lambda: elapsed0 + time.perf_counter() - wall0  # noqa: E731 (wall time incl. evals and saves)
-    while state["step"] < t.max_steps:
-        step = state["step"]
-        t0 = time.perf_counter()
-        batch_ids = global_batch(len(train_set), step, G, cfg.seed)
-        on_policy = t.on_policy_fraction > 0 and random.Random(cfg.seed * 1_000_003 + step).random() < t.on_policy_fraction
-        micro_batches = []
-        for a in range(t.grad_accum):
-            lo = (a * world + rank) * t.batch_size
-            exs = [train_set[i] for i in batch_ids[lo:lo + t.batch_size]]
-            if on_policy:
-                exs = sample_on_policy(student, exs, t.on_policy_max_new_tokens, tok, acc.device, subset)
-            micro_batches.append(exs)
-        local_n = sum(len(e.response_ids) for exs in micro_batches for e in exs)
-        count = float(acc.reduce(torch.tensor(float(local_n), device=acc.device), "sum"))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-        bad = []
-        for a, exs in enumerate(micro_batches):
-            b = collate(exs, tok.pad_token_id, acc.device, with_topk=t.teacher == "topk" and not on_policy)
-            teacher = _teacher(target, b, t.teacher == "topk" and not on_policy)
-            sync = a == len(micro_batches) - 1
-            with (contextlib.nullcontext() if sync else acc.no_sync(model)), acc.autocast():
-                total, _ = model(b["input_ids"], b["attention_mask"], b["positions"], b["labels"], teacher)
-                if not torch.isfinite(total):
-                    bad.append(f"micro-batch {a} records {[e.id for e in exs]}")
-                acc.backward(total * (world / max(count, 1.0)))
-            loss_sum += total.detach().double()
-        loss = float(acc.reduce(loss_sum, "sum")) / max(count, 1.0)
-        if not math.isfinite(loss):
-            raise diverged(f"loss is {loss} at step {step + 1} ({'; '.join(bad) or 'on another process'})")
-        apply_step(acc, model, optimizer, scheduler, t.max_grad_norm)
-        dt = time.perf_counter() - t0
-        over, last_step = book_step(state, acc, t, step, G, dt, count, elapsed(), budget_s)
-        entry = {"step": state["step"], "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
-                 "on_policy": on_policy, "elapsed_s": round(state["elapsed_s"], 2)}
-        if state["step"] % t.eval_every == 0 or last_step:
-            alpha_now = entry["teacher_forced_acceptance"] = alpha()
-            if alpha_now > best.get("teacher_forced_acceptance", -1.0):
-                if not finite():
-                    raise diverged(f"the weights are not finite after step {state['step']}")
-                best = {"step": state["step"], "teacher_forced_acceptance": alpha_now}
-                if acc.is_main_process:
-                    ck.save_best(out, student, tok, best, cfg.student.merge)
-        bar.update(min(int(state["elapsed_s"]), bar.total) - bar.n if timed else 1)
-        bar.set_postfix(step=state["step"], loss=f"{loss:.4f}", alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-",
-                        tok_s=f"{count / dt:.0f}")
-        if close_step(state, entry, t, acc, out, logger, save, summarize, elapsed, last_step, over):
-            stopped = "time_budget"
-            break
-    bar.close()
-    if t.calibrate and "logit_scale" not in best and cfg.student.kind == "full":
-        best = _calibrate(student, alpha, best, out / "best")
-        if acc.is_main_process and "logit_scale" in best:  # rewritten even for s = 1: best.json records the fit
-            ck.save_best(out, student, tok, best, cfg.student.merge)
-        acc.wait_for_everyone()
-    result = summarize(True)
+    result = summary(r, True)
     if acc.is_main_process:
-        ck.write_summary(out, result)
+        ck.write_summary(r.out, result)
+        training_curves(result, stage_path(r.cfg, "plots") / f"{r.out.name}.png")  # distill.png, distill@<tag>.png
     logger.finish(result)
     acc.wait_for_everyone()
-    log.info("distill: step %d, α_TF %.4f -> best %.4f at step %s (%s) -> %s", state["step"],
+    log.info("distill: step %d, α_TF %.4f -> best %.4f at step %s (%s) -> %s", r.state.step,
              result["init_teacher_forced_acceptance"], result["best_teacher_forced_acceptance"], result["best_step"],
-             stopped, out)
+             r.stopped, r.out)
     return result
+
+
+def _save(r: Run, step: int) -> None:
+    """checkpoint-<step>, after checking every process's weights are finite (never write a non-finite one)."""
+    if not r.finite():
+        raise _diverged(r, f"the weights are not finite after step {step}")
+    st = r.state.trainer_state(r.cfg.train.max_steps, r.global_batch, r.acc.num_processes, r.best, r.out)
+    ck.save_checkpoint(r.out, step, r.acc, r.student, r.tok, st, r.cfg.student.merge, r.cfg.train.keep_checkpoints)
+
+
+def _diverged(r: Run, what: str) -> TrainingDiverged:
+    """Set aside what the weights of the current step made (they diverged); the error names the last good
+    checkpoint, the one a rerun resumes from."""
+    t, bad_step = r.cfg.train, r.state.step
+    bad = [p.name for s, p in ck.checkpoints(r.out) if s >= bad_step]
+    if r.acc.is_main_process:
+        ck.set_aside_diverged(r.out, bad_step)
+    r.acc.wait_for_everyone()
+    good = ck.checkpoints(r.out)
+    aside = f" {', '.join(bad)} came from the weights that diverged: set aside as diverged-*." if bad else ""
+    fix = f"lower train.lr (now {t.lr}) or raise train.warmup_steps (now {t.warmup_steps}), then rerun"
+    if good:
+        return TrainingDiverged(f"{what}; stopped.{aside} The last good checkpoint is {good[-1][1]}; {fix}: "
+                                f"resume=auto continues from {good[-1][1].name} with the new train.lr")
+    return TrainingDiverged(f"{what}; stopped.{aside} No good checkpoint was saved before it; {fix}: the "
+                            "rerun starts from scratch")
+
+
+def _use_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """After loading a checkpoint: schedule train.lr (not the rate saved with it), so that a rerun with a
+    lower train.lr after a divergence trains with that rate from the resumed step on."""
+    if all(b == lr for b in scheduler.base_lrs):
+        return
+    log.info("distill: train.lr=%g (the checkpoint was trained with %g): the resumed steps use %g",
+             lr, scheduler.base_lrs[0], lr)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 LOGIT_SCALES = (0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0)
@@ -432,7 +487,7 @@ def _teacher(target, b: dict, topk: bool):
     return HiddenTeacher(hidden[b["positions"]], target.get_output_embeddings())
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="distill")
+@stage_main("distill")
 def main(cfg: DictConfig) -> None:
     cli(run, cfg)
 

@@ -1,4 +1,4 @@
-"""The one exception every stage turns into a one-line message and exit code 2 (distill.utils.cli)."""
+"""The one exception every stage turns into a one-line message and exit code 2 (distill.cli.cli)."""
 
 
 class ConfigError(ValueError):

@@ -45,16 +45,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from distill import report as report_mod
-from distill.config import DRAFT_KINDS, HEAD_STAGE, REFERENCES, ConfigError, run_dir, stage_path
+from distill.config import DRAFT_KINDS, HEAD_STAGE, REFERENCES, ConfigError, stage_path
 from distill.doctor import diagnose, noise_flags
 from distill.eval_rows import decoded_row, hf_assisted_row, replayed_row, sampled_row, with_costs, with_timing
-from distill.evalsets import EvalSet, Prompt, load_eval_sets, round_robin  # noqa: F401 (Prompt: for callers)
+from distill.evalsets import EvalSet, load_eval_sets, round_robin
 from distill.measure import (
     FLOAT_TIE_GAP,
     Answers,
@@ -75,7 +74,8 @@ from distill.models import (
 )
 from distill.records import check_records_owner, record_ids, run_draft_vocab
 from distill.templates import CHAT
-from distill.utils import atomic_write_json, cli, start_stage
+from distill.cli import cli, stage_main, start_stage
+from distill.utils import atomic_write_json
 from specdec.decoder import SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.head_drafter import HeadDrafter, head_replay_proposals
@@ -523,7 +523,7 @@ def _refuse_unloadable(rows: list[dict], out: Path) -> None:
 def trained_on(cfg: DictConfig, sets: list[EvalSet]) -> dict[str, int]:
     """Per set, how many evaluated prompts the run's generated (training) records answer. Above 0 the
     draft was trained on prompts it is measured on, and α overstates what it does on new ones."""
-    answered = {rid.split("#")[0] for rid in record_ids(run_dir(cfg))}
+    answered = {rid.split("#")[0] for rid in record_ids(stage_path(cfg, "generate"))}
     counts = {s.name: sum(p.id in answered for p in s.prompts) for s in sets}
     for s in sets:
         if counts[s.name]:
@@ -565,7 +565,7 @@ def main_cli(cfg: DictConfig) -> dict:
         sys.exit(EXIT_GREEDY_MISMATCH)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
+@stage_main("evaluate")
 def main(cfg: DictConfig) -> None:
     main_cli(cfg)
 

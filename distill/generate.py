@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-import hydra
 import numpy as np
 import torch
 from accelerate import PartialState
@@ -65,7 +64,8 @@ from distill.records import (
     SELF_INSTRUCT_MAX_TOKENS, Item, Output, differences, identity, record_ids, shard_identity, shard_paths, totals,
     write_shard,
 )
-from distill.utils import atomic_write_json, cli, read_json, start_stage
+from distill.cli import cli, stage_main, start_stage
+from distill.utils import atomic_write_json, read_json
 from specdec.decoder import left_pad
 from specdec.kv import KVModel
 from specdec.sampling import SamplingParams, logits_to_probs, sample
@@ -552,7 +552,7 @@ def _write_manifest(cfg: DictConfig, out: Path, ident: dict, n_prompts: int, per
     return summary
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@stage_main("generate")
 def main(cfg: DictConfig) -> None:
     cli(run, cfg)
 

@@ -5,7 +5,7 @@
 
 distill.distill.run hands over here when student.kind=head; the stage's files are the same (see
 distill/checkpoint.py): checkpoint-<step>/ and best/ are head directories in the EAGLE-3 layout (plus the
-tokenizer and trainer_state/), summary.json has the same keys.
+tokenizer, trainer_state.json and accelerate/), summary.json has the same keys.
 
 The target stays in memory: every micro-batch of generated records (distill/batches.py's padding and
 positions) runs through it once, which yields the features the head reads (FeatureTaps) and, with
@@ -33,15 +33,17 @@ from tqdm.auto import tqdm
 
 from distill import checkpoint as ck
 from distill.batches import Reference, collate, holdout_reference, split_holdout, to_examples
-from distill.config import ConfigError
+from distill.config import ConfigError, stage_path
 from distill.losses import SINK, HiddenTeacher, TopKTeacher, VocabSubset, chunked_distill_loss, chunked_overlap, gather_teacher
 from distill.models import load_target, shared_vocab_size
+from distill.plots import training_curves
 from distill.records import run_draft_vocab
 from distill.training import (
-    Logger, TrainingDiverged, apply_step, book_step, check_generated, close_step, global_batch, open_stage, schedule,
+    Logger, TrainingDiverged, TrainState, apply_step, check_generated, close_step, global_batch, open_stage, resume_point,
+    schedule, settings_of,
 )
 from specdec.features import FeatureTaps
-from specdec.heads import FeatureHead, load_head
+from specdec.heads import FeatureHead
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +118,6 @@ def measure_head(head: FeatureHead, ref: Reference, feats: list[torch.Tensor], s
     return tf, agree, den
 
 
-def _load_weights(head: FeatureHead, path) -> None:
-    head.load_state_dict(load_head(path).state_dict())
-
-
 def run(cfg: DictConfig, stage: str = "distill") -> dict:
     """Train (or finish training) the feature head of runs/<run> into runs/<run>/<stage>; returns the summary
     (also <stage>/summary.json)."""
@@ -144,7 +142,10 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
     head.train()
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=hc.lr,
                                   weight_decay=t.weight_decay, fused=acc.device.type in ("cpu", "cuda"))
-    model = acc.prepare(HeadLoss(head, lc, subset, hc.ttt_steps))
+    state = TrainState()
+    scheduler = schedule(optimizer, t, lambda: state.elapsed_s)
+    model, optimizer = acc.prepare(HeadLoss(head, lc, subset, hc.ttt_steps), optimizer)
+    acc.register_for_checkpointing(scheduler)
     rank, world = acc.process_index, acc.num_processes
     taps = FeatureTaps(target, head.feature_layers)
     micro = holdout[rank::world]
@@ -156,19 +157,10 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
         tot = acc.reduce(torch.tensor([tf, agree, den], dtype=torch.float64, device=acc.device), "sum")
         return (float(tot[0] / tot[2]), float(tot[1] / tot[2])) if tot[2] > 0 else (math.nan, math.nan)
 
-    state: dict = {"step": 0, "history": [], "train_tokens": 0, "train_s": 0.0, "elapsed_s": 0.0, "records_seen": 0}
-    scheduler = schedule(optimizer, t, lambda: state["elapsed_s"])
-    ckpts = ck.checkpoints(out)
-    if t.resume == "auto" and ckpts:
-        step0, path = ckpts[-1]
-        _load_weights(head, path)
-        saved, rng = ck.load_trainer_state(path, rank)
-        optimizer.load_state_dict(saved.pop("optimizer"))
-        scheduler.load_state_dict(saved.pop("scheduler"))
-        state.update(saved)
-        if rng is not None:
-            ck.set_rng_state(rng)
-        log.info("distill: resuming the head from %s (step %d)", path, step0)
+    if t.resume == "auto" and ck.checkpoints(out):
+        path, saved = resume_point(out, acc, head)
+        state.__dict__.update(saved.__dict__)  # in place: the schedule reads state
+        log.info("distill: resuming the head from %s (step %d)", path, state.step)
     best = ck.best_info(out) or {}
 
     def consider(step: int, tf: float, agree: float) -> None:
@@ -178,47 +170,45 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
             if acc.is_main_process:
                 ck.save_best(out, head, tok, best)
 
-    if state["step"] == 0:
+    if state.step == 0:
         a0, g0 = alpha()
-        state["init_teacher_forced_acceptance"] = a0
-        state["history"] = [{"step": 0, "loss": None, "teacher_forced_acceptance": a0, "greedy_agreement": g0}]
+        state.init_teacher_forced_acceptance = a0
+        state.history = [{"step": 0, "loss": None, "teacher_forced_acceptance": a0, "greedy_agreement": g0}]
         consider(0, a0, g0)
 
     G = t.batch_size * world * t.grad_accum
     logger = Logger(cfg, out, acc.is_main_process)
+    if state.step == 0:
+        logger.log(state.history[0])  # the untrained head's α_TF
     budget_s = t.time_budget_min * 60 if t.time_budget_min else math.inf
-    bar = tqdm(total=t.max_steps, initial=state["step"], unit="step", desc="distill (head)", disable=not acc.is_main_process)
+    bar = tqdm(total=t.max_steps, initial=state.step, unit="step", desc="distill (head)", disable=not acc.is_main_process)
     stopped = "max_steps"
 
     def save(step: int) -> None:
-        st = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-              "world_size": world, "global_batch": G}
-        ck.save_checkpoint(out, step, head, tok, st, rank, acc.is_main_process, acc.wait_for_everyone,
+        ck.save_checkpoint(out, step, acc, head, tok, state.trainer_state(t.max_steps, G, world, best, out),
                            keep=t.keep_checkpoints)
 
     def summarize(done: bool) -> dict:
         return {
             "stage": stage, "student": "head", "dir": str(out), "done": done, "stopped": stopped if done else None,
-            "step": state["step"], "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
-            "init_teacher_forced_acceptance": state.get("init_teacher_forced_acceptance"),
+            "step": state.step, "max_steps": t.max_steps, "time_budget_min": t.time_budget_min,
+            "init_teacher_forced_acceptance": state.init_teacher_forced_acceptance,
             "best_step": best.get("step"), "best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
             "best_greedy_agreement": best.get("greedy_agreement"), "logit_scale": 1.0,
             "uncalibrated_best_teacher_forced_acceptance": best.get("teacher_forced_acceptance"),
-            "best_dir": str(out / "best"), "train_tokens": state["train_tokens"], "elapsed_s": round(state["elapsed_s"], 2),
-            "tokens_per_s": round(state["train_tokens"] / state["train_s"], 2) if state["train_s"] else None,
+            "best_dir": str(out / "best"), "train_tokens": state.train_tokens, "elapsed_s": round(state.elapsed_s, 2),
+            "tokens_per_s": round(state.train_tokens / state.train_s, 2) if state.train_s else None,
             "data": records_key, "holdout_records": len(holdout), "holdout_tail_mass": ref.tail_mass,
             "train_records": len(train_set),
-            "settings": {"loss": OmegaConf.to_container(lc), "student": OmegaConf.to_container(cfg.student),
-                         "head": {**OmegaConf.to_container(hc), "layers": list(head.feature_layers)},
-                         "train": OmegaConf.to_container(t), "draft_vocab": subset.size, "world_size": world,
-                         "global_batch": G},
-            "history": state["history"],
+            "settings": {**settings_of(cfg, world), "head": {**OmegaConf.to_container(hc), "layers": list(head.feature_layers)},
+                         "draft_vocab": subset.size, "world_size": world},
+            "history": state.history,
         }
 
-    wall0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    wall0, elapsed0 = time.perf_counter(), state.elapsed_s
     elapsed = lambda: elapsed0 + time.perf_counter() - wall0  # noqa: E731 (wall time, resumed runs included)
-    while state["step"] < t.max_steps:
-        step = state["step"]
+    while state.step < t.max_steps:
+        step = state.step
         t0 = time.perf_counter()
         batch_ids = global_batch(len(train_set), step, G, cfg.seed)
         micro_batches = [[train_set[i] for i in batch_ids[(a * world + rank) * t.batch_size:][: t.batch_size]]
@@ -241,13 +231,13 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
                                    f"{last[-1][1] if last else 'none'}; lower head.lr (now {hc.lr}), then rerun")
         apply_step(acc, model, optimizer, scheduler, t.max_grad_norm)
         dt = time.perf_counter() - t0
-        over, last_step = book_step(state, acc, t, step, G, dt, count, elapsed(), budget_s)
-        entry = {"step": state["step"], "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
-                 "elapsed_s": round(state["elapsed_s"], 2)}
-        if state["step"] % t.eval_every == 0 or last_step:
+        over, last_step = state.book(acc, t, G, dt, count, elapsed(), budget_s)
+        entry = {"step": state.step, "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": count / dt,
+                 "elapsed_s": round(state.elapsed_s, 2)}
+        if state.step % t.eval_every == 0 or last_step:
             tf, agree = alpha()
             entry.update(teacher_forced_acceptance=tf, greedy_agreement=agree)
-            consider(state["step"], tf, agree)
+            consider(state.step, tf, agree)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", alpha_tf=f"{entry.get('teacher_forced_acceptance', math.nan):.3f}")
         if close_step(state, entry, t, acc, out, logger, save, summarize, elapsed, last_step, over):
@@ -258,10 +248,11 @@ def run(cfg: DictConfig, stage: str = "distill") -> dict:
     result = summarize(True)
     if acc.is_main_process:
         ck.write_summary(out, result)
+        training_curves(result, stage_path(cfg, "plots") / f"{out.name}.png")
     logger.finish(result)
     acc.wait_for_everyone()
     log.info("distill: head step %d, α_TF %.4f -> best %.4f (greedy agreement %.3f) at step %s (%s) -> %s",
-             state["step"], result["init_teacher_forced_acceptance"], result["best_teacher_forced_acceptance"],
+             state.step, result["init_teacher_forced_acceptance"], result["best_teacher_forced_acceptance"],
              result["best_greedy_agreement"] or math.nan, result["best_step"], stopped, out)
     return result
 

@@ -15,7 +15,7 @@ numbers go to a W&B run in the group <run_name> (the distill stage logs its curv
 Multirun (-m): each job gets its own run dir, named from its overrides (hydra's override_dirname,
 without runs_root; an explicit run_name=... becomes the prefix), so jobs never share outputs and a
 rerun of the same sweep resumes them. Each job adds its row to <sweep dir>/comparison.md (one row per
-run, under a file lock), so the table is complete when the last job ends.
+run, under a file lock), and the table is printed once when the last job ends (distill/sweep.py).
 
 Multi-process distillation: the pipeline runs stages in one process. For the distill stage on several
 processes, run it alone first, then let the pipeline continue (it finds the distill stage complete):
@@ -26,25 +26,23 @@ processes, run it alone first, then let the pipeline continue (it finds the dist
 from __future__ import annotations
 
 import copy
-import fcntl
-import hashlib
 import importlib
 import logging
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distill import report as report_mod
 from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, stage_path, validate
 from distill import tables
 from distill.publish import pick
-from distill.utils import atomic_write_json, atomic_write_text, cli, read_json
+from distill.sweep import add_comparison_row, hydra_config, is_multirun, job_run_name
+from distill.cli import cli, stage_main
+from distill.utils import atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
 
@@ -55,47 +53,13 @@ HEADERS = ["eval set", "decoding", "γ", "prompts (timed)", "α [95% CI]", "τ",
            "modeled [95% CI]"]
 
 
-# ---------------------------------------------------------------- Hydra multirun
-
-
-def _hydra():
-    from hydra.core.hydra_config import HydraConfig
-
-    return HydraConfig.get() if HydraConfig.initialized() else None
-
-
-def _is_multirun(hc) -> bool:
-    from hydra.types import RunMode
-
-    return hc is not None and hc.mode == RunMode.MULTIRUN
-
-
-def _slug(text: str, limit: int = 200) -> str:
-    """A run_name from override text: no '/', nothing a shell or file system dislikes, bounded length."""
-    s = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", re.sub(r"[\[\]'\"]", "", text)).strip("_.")
-    if len(s) > limit:
-        s = s[: limit - 9] + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
-    return s
-
-
-def job_run_name(cfg: DictConfig, hc) -> str:
-    """The run dir name of one multirun job: its overrides, so each job writes to its own run dir."""
-    exclude = {"run_name", "runs_root", *hc.job.config.override_dirname.exclude_keys}
-    pairs = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") not in exclude]
-    explicit = any(o.split("=", 1)[0].lstrip("+") == "run_name" for o in hc.overrides.task)
-    dirname = _slug(",".join(sorted(pairs)))
-    if explicit:
-        return f"{cfg.run_name}-{dirname}" if dirname else str(cfg.run_name)
-    return dirname or str(cfg.run_name)
+# ---------------------------------------------------------------- the results table
 
 
 def command_line(hc) -> str:
     """The command that reproduces this run (for results.md)."""
     args = list(hc.overrides.task) if hc is not None else []
     return " ".join(["python -m distill.pipeline", *(shlex.quote(a) for a in args)])
-
-
-# ---------------------------------------------------------------- the results table
 
 
 def headline_rows(report: dict) -> tuple[list[dict], dict]:
@@ -173,31 +137,7 @@ def write_if_changed(path: Path, text: str) -> None:
         atomic_write_text(path, text)
 
 
-# ---------------------------------------------------------------- sweep comparison, W&B
-
-
-COMPARE_HEADERS = ["run", "draft", "γ", "α", "α_TF", "τ", "tokens/s", "speedup", "modeled", "init speedup"]
-
-
-def add_comparison_row(sweep_dir: Path, cfg: DictConfig, report: dict) -> Path:
-    """Record this job's headline (report["best"]) and rebuild <sweep dir>/comparison.md from all jobs' rows."""
-    b = report.get("best") or {}
-    row = {"run": str(cfg.run_name), "cells": [
-        str(cfg.run_name), str(b.get("name", "–")), str(b.get("gamma", "–")), tables.num(b.get("acceptance_rate"), 3),
-        tables.num(b.get("teacher_forced_acceptance"), 3), tables.num(b.get("tokens_per_target_call"), 2),
-        tables.num(b.get("tokens_per_s"), 1), tables.shown(b, "speedup"), tables.shown(b, "modeled_speedup"),
-        tables.num(b.get("init_speedup"), 2, "×")]}
-    rows_dir = sweep_dir / "comparison"
-    atomic_write_json(rows_dir / f"{cfg.run_name}.json", row)
-    out = sweep_dir / "comparison.md"
-    with open(sweep_dir / ".comparison.lock", "w") as lock:  # jobs may run in parallel (joblib launcher)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        rows = [read_json(p) for p in sorted(rows_dir.glob("*.json"))]
-        text = (f"# Sweep comparison ({len(rows)} runs)\n\nEach run's best draft, mean over eval sets at greedy, "
-                f"batch 1 (report.json `best`); runs in `{cfg.runs_root}/<run>/`.\n\n"
-                + tables.markdown(COMPARE_HEADERS, [r["cells"] for r in rows]) + "\n")
-        atomic_write_text(out, text)
-    return out
+# ---------------------------------------------------------------- W&B
 
 
 def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
@@ -226,8 +166,8 @@ def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
-    hc = _hydra()
-    if _is_multirun(hc):
+    hc = hydra_config()
+    if is_multirun(hc):  # a run dir per job; its stages take no stage tag (distill.sweep.stage_tag)
         cfg = copy.deepcopy(cfg)
         cfg.run_name = job_run_name(cfg, hc)
     validate(cfg)  # fail before the first stage, not in the third
@@ -252,7 +192,7 @@ def run(cfg: DictConfig) -> dict:
     write_if_changed(rd / "results.md", text)
     print("\n" + tables.markdown(HEADERS, cells) + f"\n\n(written to {rd / 'results.md'})", flush=True)
     results["results"] = str(rd / "results.md")
-    if _is_multirun(hc):
+    if is_multirun(hc):
         results["comparison"] = str(add_comparison_row(Path(hc.sweep.dir), cfg, report))
         log.info("sweep comparison: %s", results["comparison"])
     if cfg.logger == "wandb":
@@ -271,7 +211,7 @@ def main_cli(cfg: DictConfig) -> dict:
         sys.exit(1)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="pipeline")
+@stage_main("pipeline")
 def main(cfg: DictConfig) -> None:
     main_cli(cfg)
 

@@ -3,11 +3,12 @@
     python -m distill.publish model=tiny experiment=smoke              # dry run (default): stage only
     python -m distill.publish experiment=default publish.dry_run=false publish.repo_id=me/smollm2-draft
 
-Reads only the run directory: runs/<run>/distill/best (or publish.draft), evaluate/report.json,
-distill/summary.json and config.yaml. Writes runs/<run>/publish/, the exact folder that is (or would
-be) uploaded: a plain transformers model dir (a LoRA adapter is merged unless publish.merge=false),
-tokenizer files, generation config and README.md (the model card: YAML metadata, the evaluation
-table, how to use the draft with transformers, vLLM and SGLang, and how it was trained). The folder
+Reads only the run directory: runs/<run>/distill/best (or publish.draft), evaluate/report.json, the
+summary.json beside the draft (distill/ or distill-head/), generate/manifest.json and config.yaml.
+Writes runs/<run>/publish/, the exact folder that is (or would be) uploaded: a plain transformers
+model dir (a LoRA adapter is merged unless publish.merge=false), tokenizer files, generation config
+and README.md (the model card: YAML metadata with model-index and datasets, the evaluation table,
+how to use the draft at its γ with transformers, vLLM and SGLang, and how it was trained). The folder
 is built in a temp dir and swapped in whole; runs/<run>/publish.json records what was staged (and
 uploaded) so a rerun with the same inputs does nothing.
 
@@ -32,16 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from distill import report as report_mod
+from distill import checkpoint as ck
 from distill import tables
 from distill.config import ConfigError, run_dir, stage_path
 from distill.models import check_tokenizers, load_draft, load_tokenizer
 from distill.records import check_records_owner, run_draft_vocab
 from distill.templates import prompt_code, stop_strings
-from distill.utils import atomic_write_json, cli, read_json, start_stage, writing
+from distill.cli import cli, stage_main, start_stage
+from distill.sweep import stage_tag
+from distill.utils import atomic_write_json, config_path, read_json, writing
 from specdec.drafters import DRAFT_VOCAB_FILE, save_draft_vocab
 from specdec.heads import is_head_dir
 from specdec.hub import endpoint
@@ -50,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # Embedded model names -> the hub repo they were converted from (the card's base_model).
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# Built-in prompt sources (distill/data.py) -> the Hub dataset holding the same prompts (card metadata).
+# stdlib and file sources have none; a hub source is its data.path.
+HUB_DATASETS = {"mt_bench": "HuggingFaceH4/mt_bench_prompts", "humaneval": "openai/openai_humaneval"}
 TAGS = ["speculative-decoding", "draft-model", "distillation"]
 MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                "pytorch_model*.bin", "pytorch_model.bin.index.json")
@@ -148,11 +153,31 @@ def hub_id(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def base_model(m: DictConfig) -> Optional[str]:
-    """The draft's init source for the card's base_model (None when it has no hub id)."""
-    if m.draft_init == "pretrained":
+def base_model(m: DictConfig, draft_init: Optional[str] = None) -> Optional[str]:
+    """The draft's init source for the card's base_model (None when it has no hub id). `draft_init`: the
+    one the draft's training summary recorded, when it did (else m.draft_init)."""
+    init = draft_init or m.draft_init
+    if init == "pretrained":
         return hub_id(m.draft)
-    return hub_id(m.target) if m.draft_init == "from_target" else None
+    return hub_id(m.target) if init == "from_target" else None
+
+
+def dataset_id(source: dict) -> Optional[str]:
+    """The Hub dataset a prompt source (a data / eval_data config) stands for, or None."""
+    if source.get("source") == "hub":
+        return hub_id(source.get("path"))
+    return HUB_DATASETS.get(source.get("source"))
+
+
+def training_datasets(manifest: Optional[dict]) -> Optional[list[str]]:
+    """The Hub datasets the generate stage took prompts from (its manifest: data.source, plus the eval sets
+    with data.in_domain), for the card's `datasets`; None when none has a Hub id."""
+    if not manifest:
+        return None
+    sources = [(manifest.get("identity") or {}).get("data") or {}]
+    sources += [s for s in (manifest.get("data_in_domain") or {}).values() if (s or {}).get("turn", 1) == 1]
+    ids = [i for i in (dataset_id(s or {}) for s in sources) if i]
+    return list(dict.fromkeys(ids)) or None
 
 
 # ---------------------------------------------------------------- the evaluation report
@@ -162,9 +187,21 @@ def draft_rows(report: dict, src: DraftSource) -> list[dict]:
     """The report rows that measured this draft (matched by row name or by draft path)."""
     here = src.path.resolve()
     return [
-        r for r in report.get("rows", [])
+        marked(r) for r in report.get("rows", [])
         if r.get("kind") in ("model", "head") and not r.get("error") and (r.get("name") == src.name or (r.get("draft") and Path(r["draft"]).resolve() == here))
     ]
+
+
+def marked(row: dict) -> dict:
+    """The row with `flagged` as the card applies it: the evaluation's flags, plus the speedups of a γ that
+    was not timed (`costs_from_gamma`: modeled with another γ's costs), which are never shown as measured."""
+    flags = dict(row.get("flagged") or {})
+    if row.get("costs_from_gamma") is not None:
+        why = f"not timed at this γ (modeled with the costs timed at γ = {row['costs_from_gamma']})"
+        for k in ("speedup", "modeled_speedup"):
+            if isinstance(row.get(k), (int, float)):
+                flags.setdefault(k, why)
+    return {**row, "flagged": flags}
 
 
 def check_report(report: Optional[dict], src: DraftSource, report_path: Path, cfg: DictConfig) -> list[str]:
@@ -202,23 +239,72 @@ def check_report(report: Optional[dict], src: DraftSource, report_path: Path, cf
 
 def supported_speedups(rows: list[dict]) -> list[dict]:
     """Rows with at least one speedup number the evaluation's doctor did not flag as noise."""
-    return [r for r in rows if any(isinstance(r.get(k), (int, float)) and k not in (r.get("flagged") or {})
-                                   for k in ("speedup", "modeled_speedup"))]
+    return [r for r in rows if any(shows(marked(r), k) for k in ("speedup", "modeled_speedup"))]
+
+
+def shows(row: dict, key: str) -> bool:
+    """Whether the card may show row[key]: a number the evaluation did not flag."""
+    return isinstance(row.get(key), (int, float)) and key not in (row.get("flagged") or {})
+
+
+def _cell(row: dict, key: str, digits: int, suffix: str = "") -> str:
+    if key in (row.get("flagged") or {}):
+        return "n.s."
+    return tables.ci_cell(row.get(key), row.get(f"{key}_ci"), digits, suffix)
 
 
 def eval_table(rows: list[dict]) -> str:
-    """A markdown table of report rows: setting, α, τ, tokens/s, speedup, predicted speedup."""
+    """A markdown table of report rows: setting, α, τ, tokens/s, speedup, modeled speedup ("n.s." where the
+    evaluation flagged the number)."""
     head = ("| eval set | decoding | sampling | batch | γ | α [95% CI] | τ | tokens/s | speedup [95% CI] | "
             "modeled speedup [95% CI] |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = [
         f"| {r.get('eval_set')} | {tables.label(r['name'])} | {_sampling(r)} | {r.get('batch_size')} | "
-        f"{'–' if r.get('kind') == 'target' else r.get('gamma', '–')} | "
-        f"{tables.ci_cell(r.get('acceptance_rate'), r.get('acceptance_rate_ci'), 3)} | "
-        f"{tables.num(r.get('tokens_per_target_call'), 2)} | {tables.num(r.get('tokens_per_s'), 1)} | "
-        f"{tables.shown(r, 'speedup')} | {tables.shown(r, 'modeled_speedup')} |"
-        for r in rows
+        f"{'–' if r.get('kind') == 'target' else r.get('gamma', '–')} | {_cell(r, 'acceptance_rate', 3)} | "
+        f"{_cell({**r, 'tokens_per_target_call_ci': None}, 'tokens_per_target_call', 2)} | "
+        f"{_cell({**r, 'tokens_per_s_ci': None}, 'tokens_per_s', 1)} | "
+        f"{_cell(r, 'speedup', 2, '×')} | {_cell(r, 'modeled_speedup', 2, '×')} |"
+        for r in map(marked, rows)
     ]
     return head + "\n".join(lines) + "\n"
+
+
+def headline_rows(rows: list[dict], gamma: int) -> list[dict]:
+    """The card's headline setting, one row per eval set: the draft at its γ, greedy, the smallest batch."""
+    greedy = [r for r in rows if not r.get("temperature") and r.get("gamma") == gamma]
+    bs = min((r.get("batch_size") or 1 for r in greedy), default=1)
+    return [r for r in greedy if (r.get("batch_size") or 1) == bs]
+
+
+# model-index metrics: report field -> (metric type, name); each only where the evaluation did not flag it
+INDEX_METRICS = {"acceptance_rate": ("acceptance_rate", "acceptance rate α"),
+                 "tokens_per_target_call": ("tokens_per_target_call", "τ (tokens per target call)"),
+                 "speedup": ("speedup", "speedup, measured (timed prompts)"),
+                 "modeled_speedup": ("modeled_speedup", "speedup, modeled (every prompt, measured costs)")}
+
+
+def eval_results(rows: list[dict], report: dict, target_id: str, gamma: int) -> list:
+    """model-index entries (huggingface_hub.EvalResult) for the headline rows: per eval set α, τ and the
+    speedups the evaluation did not flag. The dataset is the eval set's Hub dataset where it has one."""
+    from huggingface_hub import EvalResult
+
+    sets = (report.get("settings") or {}).get("eval_sets") or {}
+    picked = sorted(headline_rows(rows, gamma), key=lambda r: str(r.get("eval_set")))
+    names = [str(r.get("eval_set")) for r in picked]
+    types = [dataset_id((sets.get(n) or {}).get("source") or {"source": n}) or n for n in names]
+    out = []
+    for r, name, dtype in zip(picked, names, types):
+        r = marked(r)
+        for key, (mtype, mname) in INDEX_METRICS.items():
+            if shows(r, key):
+                out.append(EvalResult(
+                    task_type="text-generation",
+                    task_name=f"speculative decoding with {target_id} (greedy, γ={gamma}, batch {r.get('batch_size')})",
+                    dataset_type=dtype, dataset_name=name,
+                    # two sets of one Hub dataset (MT-Bench turns 1 and 2) stay apart in the model-index
+                    dataset_config=name if types.count(dtype) > 1 else None,
+                    metric_type=mtype, metric_name=mname, metric_value=round(float(r[key]), 4)))
+    return out
 
 
 def _sampling(row: dict) -> str:
@@ -233,43 +319,94 @@ def sort_rows(rows: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- the model card
 
 
-def _training_section(cfg: DictConfig, prev: Optional[dict], summary: Optional[dict]) -> str:
-    """Training data, loss and student settings (from the run's config.yaml) and α_TF (summary.json)."""
-    c = prev or OmegaConf.to_container(cfg, resolve=True)
-    d, g, lo, s, t, m = (c.get(k, {}) for k in ("data", "generate", "loss", "student", "train", "model"))
-    trained = (summary or {}).get("settings") or {}  # what the draft's own stage trained (a head beside a draft)
-    s, t = trained.get("student") or s, trained.get("train") or t
-    head_cfg = trained.get("head") or c.get("head", {})
-    src = d.get("source")
-    data = {"stdlib": "prompts built from the Python standard library (functions with docstrings, pydoc topics)",
-            "mt_bench": "MT-Bench questions", "humaneval": "HumanEval problems"}.get(src, f"{src} `{d.get('path')}`")
-    samp = "greedy" if not g.get("temperature") else f"sampled at T={g.get('temperature')}, top-p={g.get('top_p')}"
-    init = (f"layers {m.get('draft_layers')} of the target (embeddings, final norm and LM head copied)"
-            if m.get("draft_init") == "from_target" else
-            f"`{m.get('draft')}`" if m.get("draft_init") == "pretrained" else "a fresh model from the target's config")
-    if s.get("kind") == "head":
-        init = "the target's last decoder layer, final norm and LM-head rows (reading its hidden states)"
-    loss = lo.get("name", "?").upper() + (f" (β={lo.get('beta')})" if lo.get("name") == "jsd" else "")
-    loss += f", temperature {lo.get('temperature')}" + (f", + {lo.get('ce_weight')} × cross-entropy" if lo.get("ce_weight") else "")
-    student = ("full fine-tune" if s.get("kind") == "full" else
-               f"feature head (EAGLE-3), training-time test over {head_cfg.get('ttt_steps')} steps"
-               if s.get("kind") == "head" else f"LoRA r={s.get('lora_r')}, α={s.get('lora_alpha')}")
-    lines = [
-        f"- **draft initialised from**: {init}",
-        f"- **data**: the target's own answers ({samp}, up to {g.get('max_new_tokens')} new tokens) to "
-        f"{data}" + (f", first {d.get('limit')} prompts" if d.get("limit") else ""),
-        f"- **loss**: {loss}; on-policy fraction λ={t.get('on_policy_fraction')}",
-        f"- **student**: {student}; {t.get('max_steps')} steps, batch {t.get('batch_size')} × "
-        f"{t.get('grad_accum')} accumulation, lr {head_cfg.get('lr') if s.get('kind') == 'head' else t.get('lr')} "
-        f"({t.get('schedule')})",
-    ]
-    if summary:
-        init_tf = pick(summary, "init_teacher_forced_acceptance", "init.teacher_forced_acceptance", "init_alpha_tf")
-        best_tf = pick(summary, "best_teacher_forced_acceptance", "best.teacher_forced_acceptance", "best_alpha_tf")
-        step = pick(summary, "best_step", "best.step")
-        if init_tf is not None or best_tf is not None:
-            lines.append(f"- **teacher-forced acceptance α_TF** on held-out answers: {tables.num(init_tf, 3)} before "
-                         f"distillation → {tables.num(best_tf, 3)} after" + (f" (step {step})" if step is not None else ""))
+SOURCES = {"stdlib": "prompts built from the Python standard library (functions with docstrings, pydoc topics)",
+           "mt_bench": "MT-Bench questions", "humaneval": "HumanEval problems"}
+
+
+def _data_line(manifest: Optional[dict], summary: dict) -> str:
+    """What the draft trained on: the generate stage's manifest (prompt source, sampling) and the record
+    counts of the draft's training summary."""
+    counts = ""
+    if summary.get("train_records") is not None:
+        counts = f"; {summary['train_records']} records trained on, {summary.get('holdout_records', '?')} held out"
+    ident = (manifest or {}).get("identity") or {}
+    d, g = ident.get("data") or {}, ident.get("sampling") or {}
+    if not d.get("source"):
+        return f"- **data**: the target's own answers{counts} (prompt source not recorded: no generate/manifest.json)"
+    src = d["source"]
+    if src == "hub":
+        what = f"the Hub dataset `{d.get('path')}`" + (f" ({d['name']})" if d.get("name") else "")
+    else:
+        what = f"the prompts in `{d.get('path')}`" if src == "file" else SOURCES.get(src, src)
+    if manifest.get("data_limit"):
+        what += f", {'a shuffled sample of' if d.get('shuffle') else 'the first'} {manifest['data_limit']} prompts"
+    if manifest.get("data_in_domain"):
+        what += (f", plus the prompts of {', '.join(sorted(manifest['data_in_domain']))} that evaluation leaves "
+                 f"out (in-domain)")
+    if manifest.get("data_self_instruct"):
+        what += f", plus up to {manifest['data_self_instruct']} prompts the target wrote itself (self-instruct)"
+    t = g.get("temperature")
+    samp = "greedy" if not t else f"sampled at T={t:g}, top-p {g.get('top_p', 1.0):g}"
+    if (g.get("num_samples") or 1) > 1:
+        samp += f", {g['num_samples']} answers per prompt"
+    return (f"- **data**: the target's own answers ({samp}, up to {g.get('max_new_tokens', '?')} new tokens) to "
+            f"{what}{counts}")
+
+
+def _training_section(summary: Optional[dict], manifest: Optional[dict], is_best: bool) -> str:
+    """How the draft was trained: the settings of the stage that trained it (its summary.json beside the
+    draft: distill/ or distill-head/) and the data its generate stage recorded, never the config of a later
+    stage (a sweep may have changed the loss since). `is_best`: the draft is that stage's best/, so the
+    summary's α_TF is its own."""
+    if not summary:
+        return ("Not recorded: there is no training summary (summary.json) beside this draft, so its loss and "
+                "settings are unknown here.\n")
+    st = summary.get("settings") or {}
+    lo, s, t, h = (st.get(k) or {} for k in ("loss", "student", "train", "head"))
+    kind = s.get("kind") or summary.get("student")
+    unknown = "not recorded in the training summary"
+    if kind == "head":
+        init = (f"the target's last decoder layer, final norm and LM-head rows, reading the target's hidden states "
+                f"entering layers {h.get('layers')}")
+    elif st.get("draft_init") == "from_target":
+        init = f"layers {st.get('draft_layers')} of the target (embeddings, final norm and LM head copied)"
+    elif st.get("draft_init") == "pretrained":
+        init = f"`{st['draft']}`" if st.get("draft") else "a pretrained model"
+    elif st.get("draft_init") == "config":
+        init = "a fresh model from the target's config"
+    else:
+        init = unknown
+    if lo.get("name"):
+        loss = str(lo["name"]).upper() + (f" (β={lo.get('beta')})" if lo["name"] == "jsd" else "")
+        loss += f", temperature {lo.get('temperature')}"
+        loss += f", + {lo['ce_weight']} × cross-entropy" if lo.get("ce_weight") else ""
+        loss += f", + {lo['prompt_ce_weight']} × prompt cross-entropy" if lo.get("prompt_ce_weight") else ""
+        loss += {"online": "; teacher: the target's full distribution",
+                 "topk": "; teacher: the target's stored top-k logits"}.get(t.get("teacher"), "")
+        if kind != "head" and t.get("on_policy_fraction") is not None:
+            loss += f"; on-policy fraction λ={t['on_policy_fraction']}"
+    else:
+        loss = unknown
+    student = ("full fine-tune" if kind == "full" else
+               f"feature head (EAGLE-3), training-time test over {h.get('ttt_steps')} steps" if kind == "head" else
+               f"LoRA r={s.get('lora_r')}, α={s.get('lora_alpha')}" if kind == "lora" else unknown)
+    if kind in ("full", "lora") and s.get("freeze_layers"):
+        student += f", first {s['freeze_layers']} layer(s) frozen"
+    steps = summary.get("step", t.get("max_steps"))
+    recipe = (f"{steps} steps" + (" (stopped by its time budget)" if summary.get("stopped") == "time_budget" else "")
+           + f", {st.get('global_batch') or t.get('batch_size', 0) * t.get('grad_accum', 1)} records per step, "
+           f"lr {h.get('lr') if kind == 'head' else t.get('lr')} ({t.get('schedule')})") if t else unknown
+    lines = [f"- **draft initialised from**: {init}", _data_line(manifest, summary), f"- **loss**: {loss}",
+             f"- **student**: {student}; {recipe}"]
+    init_tf = pick(summary, "init_teacher_forced_acceptance", "init.teacher_forced_acceptance", "init_alpha_tf")
+    best_tf = pick(summary, "best_teacher_forced_acceptance", "best.teacher_forced_acceptance", "best_alpha_tf")
+    step = pick(summary, "best_step", "best.step")
+    if is_best and (init_tf is not None or best_tf is not None):
+        scale = summary.get("logit_scale")
+        lines.append(f"- **teacher-forced acceptance α_TF** on held-out answers: {tables.num(init_tf, 3)} before "
+                     f"distillation → {tables.num(best_tf, 3)} after" + (f" (step {step})" if step is not None else "")
+                     + (f", with the logits scaled by {scale:g} (calibrated on the holdout)"
+                        if isinstance(scale, (int, float)) and scale != 1 else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -283,23 +420,45 @@ def pick(d: dict, *dotted: str) -> Any:
     return None
 
 
+def _speed(row: dict) -> float:
+    """What the card ranks a row by: its modeled speedup, else its measured one, whichever may be shown."""
+    return next((float(row[k]) for k in ("modeled_speedup", "speedup") if shows(row, k)), 0.0)
+
+
+def card_gamma(report: Optional[dict], src: DraftSource, rows: list[dict], default: int) -> int:
+    """The draft's γ (the card's headline, model-index and snippets): the evaluation's pick when it picked this
+    draft, else the γ of its fastest supported greedy row, else its first greedy row's."""
+    headline = (report or {}).get("best") or {}
+    if headline.get("name") == src.name and headline.get("gamma"):
+        return int(headline["gamma"])
+    greedy = [r for r in rows if not r.get("temperature") and r.get("gamma")]
+    ranked = supported_speedups(greedy)
+    top = max(ranked, key=_speed) if ranked else (greedy[0] if greedy else {})
+    return int(top.get("gamma") or default)
+
+
 def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev: Optional[dict],
-                summary: Optional[dict], problems: list[str]):
-    """The model card (huggingface_hub.ModelCard): YAML metadata + what the draft is worth and how to use it."""
+                summary: Optional[dict], problems: list[str], manifest: Optional[dict] = None):
+    """The model card (huggingface_hub.ModelCard): YAML metadata (with model-index and datasets) + what the
+    draft is worth and how to use it. `summary`: the training summary beside the draft; `manifest`: the
+    generate stage's manifest.json."""
     from huggingface_hub import ModelCard, ModelCardData
 
     target = (prev or {}).get("model", {}).get("target") or cfg.model.target
     target_id = hub_id(target) or target
     repo = cfg.publish.repo_id or f"<your-name>/{cfg.run_name}-draft"
     rows = draft_rows(report, src) if report else []
-    ranked = supported_speedups(rows)
-    best = max(ranked, key=lambda r: report_mod.headline_speedup(r) or 0.0) if ranked else None
-    headline = (report or {}).get("best") or {}
-    gamma = int(headline.get("gamma") if headline.get("name") == src.name else (best or {}).get("gamma")
-                or cfg.evaluate.gammas[0])
-    data = ModelCardData(base_model=base_model(cfg.model), library_name="transformers", pipeline_tag="text-generation",
+    gamma = card_gamma(report, src, rows, int(cfg.evaluate.gammas[0]))
+    ranked = supported_speedups(headline_rows(rows, gamma))
+    best = max(ranked, key=_speed) if ranked else None
+    results = eval_results(rows, report, target_id, gamma) if report else []
+    settings = (summary or {}).get("settings") or {}
+    data = ModelCardData(base_model=hub_id(target) if src.kind == "head" else base_model(cfg.model, settings.get("draft_init")),
+                         datasets=training_datasets(manifest), library_name="transformers",
+                         pipeline_tag="text-generation",
                          tags=TAGS + (["lora"] if src.kind == "adapter" else ["eagle3"] if src.kind == "head" else []),
-                         license=cfg.publish.license)
+                         license=cfg.publish.license, model_name=repo.split("/")[-1] if results else None,
+                         eval_results=results or None)
     link = f"[{target_id}](https://huggingface.co/{target_id})" if hub_id(target) else f"`{target}`"
     load = (f'draft = AutoModelForCausalLM.from_pretrained("{repo}")' if src.kind != "adapter" else
             f'from peft import AutoPeftModelForCausalLM\ndraft = AutoPeftModelForCausalLM.from_pretrained("{repo}").merge_and_unload()')
@@ -317,8 +476,8 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
                     f"τ={tables.num(best.get('tokens_per_target_call'), 2)}, speedup {tables.shown(best, 'speedup')} measured, "
                     f"{tables.shown(best, 'modeled_speedup')} modeled**.\n")
     elif rows:
-        body.append("No speedup that the evaluation can support: every speedup below is flagged as noise (n.s.) by "
-                    "the evaluation's doctor.\n")
+        body.append(f"No speedup that the evaluation can support at γ={gamma}, greedy: every such speedup below is "
+                    f"flagged as noise (n.s.) by the evaluation's doctor, or was not timed.\n")
     if report:
         shown = sort_rows(rows + [r for r in report.get("rows", []) if r.get("name") in tables.ORDER
                                   and not r.get("error")])
@@ -347,12 +506,17 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
         inputs = prompt_code(load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir), template)
         stops = stop_strings((pick(prev, "generate.stop_strings") if prev else None) or cfg.generate.get("stop_strings"))
         stop_args = f", stop_strings={stops!r}, tokenizer=tok" if stops else ""
-        body.append(f"transformers (assisted generation; `num_assistant_tokens` sets γ):\n\n```python\n"
+        # a fixed γ per round needs all three: transformers' default confidence threshold (0.4) ends a round
+        # early whenever the draft is unsure, and a "heuristic" schedule changes the count between rounds
+        body.append(f"transformers (assisted generation, γ = {gamma} draft tokens per round: `num_assistant_tokens` "
+                    f"with the constant schedule, and the confidence threshold off so that no round stops "
+                    f"early):\n\n```python\n"
                     f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                     f'tok = AutoTokenizer.from_pretrained("{target_id}")\n'
                     f'target = AutoModelForCausalLM.from_pretrained("{target_id}")\n{load}\n'
                     f"draft.generation_config.num_assistant_tokens = {gamma}\n"
                     f'draft.generation_config.num_assistant_tokens_schedule = "constant"\n'
+                    f"draft.generation_config.assistant_confidence_threshold = 0.0\n"
                     f"{inputs}\n"
                     f"out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False{stop_args})\n"
                     f"print(tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n")
@@ -362,13 +526,15 @@ def render_card(cfg: DictConfig, src: DraftSource, report: Optional[dict], prev:
                         f"evaluation above; output stays exactly the target's:\n\n```bash\n"
                         f"python -m specdec --target {target_id} --draft {repo} --prompt \"Hello!\" --gamma {gamma}\n```\n")
         body.append(f"vLLM:\n\n```python\nfrom vllm import LLM\n"
-                    f'llm = LLM(model="{target_id}", speculative_config={{"model": "{repo}", "num_speculative_tokens": {gamma}}})\n```\n\n'
-                    f"```bash\nvllm serve {target_id} --speculative-config '{{\"model\": \"{repo}\", \"num_speculative_tokens\": {gamma}}}'\n```\n")
+                    f'llm = LLM(model="{target_id}", speculative_config={{"method": "draft_model", "model": "{repo}", '
+                    f'"num_speculative_tokens": {gamma}}})\n```\n\n'
+                    f"```bash\nvllm serve {target_id} --speculative-config '{{\"method\": \"draft_model\", \"model\": "
+                    f"\"{repo}\", \"num_speculative_tokens\": {gamma}}}'\n```\n")
         body.append(f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {target_id} \\\n"
                     f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {repo} \\\n"
                     f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}\n```\n")
     body.append("## Training\n")
-    body.append(_training_section(cfg, prev, summary))
+    body.append(_training_section(summary, manifest, src.path.name == "best"))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
 
 
@@ -458,7 +624,7 @@ def _sha256(path: Path) -> str:
 def fingerprint(src: DraftSource, card_text: str, cfg: DictConfig) -> str:
     """What the staged folder depends on: the card, the source files (name, size, mtime), merge settings."""
     files = sorted((str(f.relative_to(src.path)), f.stat().st_size, f.stat().st_mtime_ns)
-                   for f in src.path.rglob("*") if f.is_file() and "trainer_state" not in f.parts)
+                   for f in src.path.rglob("*") if f.is_file() and not set(f.relative_to(src.path).parts) & set(ck.TRAINING_FILES))
     key = {"card": card_text, "kind": src.kind, "weights": str(src.weights), "files": files,
            "model": OmegaConf.to_container(cfg.model, resolve=True)}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -524,7 +690,8 @@ def _check_upload_settings(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> dict:
     rd = Path(run_dir(cfg))
-    prev_cfg = rd / "config.yaml"  # read before start_stage overwrites it: the config distill/evaluate ran with
+    cfg.stage_tag = stage_tag(cfg)  # as start_stage sets it: a sweep job reads its own draft's config
+    prev_cfg = config_path(cfg, "distill")  # read before start_stage overwrites it: the config distill ran with
     prev = OmegaConf.to_container(OmegaConf.load(prev_cfg), resolve=False) if prev_cfg.is_file() else None
     out = start_stage(cfg, "publish")
 
@@ -535,24 +702,27 @@ def run(cfg: DictConfig) -> dict:
     report_path = stage_path(cfg, "evaluate") / "report.json"
     report = read_json(report_path) if report_path.is_file() else None
     problems = check_report(report, src, report_path, cfg)
-    # the summary of the stage that trained this draft (distill/, or distill-head/ for the head beside it)
-    sdir = src.path.parent if (src.path.parent / "summary.json").is_file() else stage_path(cfg, "distill")
+    # the summary of the stage that trained this draft (distill/, or distill-head/ for the head beside it);
+    # a draft from elsewhere has none here (the run's own summary describes another draft)
+    sdir = src.path.parent
     summary = read_json(sdir / "summary.json") if (sdir / "summary.json").is_file() else None
     if summary and summary.get("target", cfg.model.target) != cfg.model.target and src.name in ("best", "head"):
         raise ConfigError(f"{src.path} was distilled for model.target={summary['target']!r}, not {cfg.model.target!r}; "
                           f"publish with model.target={summary['target']}, or distill this target first")
-    card = render_card(cfg, src, report, prev, summary, problems)
+    manifest_path = stage_path(cfg, "generate") / "manifest.json"  # the prompts and sampling the draft trained on
+    manifest = read_json(manifest_path) if manifest_path.is_file() else None
+    card = render_card(cfg, src, report, prev, summary, problems, manifest)
     fp = fingerprint(src, str(card), cfg)
 
     _recover(rd, out)
-    record_path = rd / "publish.json"
+    record_path = rd / f"{out.name}.json"  # publish.json (publish@<tag>.json for a sweep's job)
     record = read_json(record_path) if record_path.is_file() else {}
     if record.get("fingerprint") == fp and (out / "README.md").is_file():
         log.info("publish: %s is up to date (%s)", out, fp)
     else:
-        for stale in rd.glob(".publish.*"):  # leftovers of an interrupted staging
+        for stale in rd.glob(f".{out.name}.*"):  # leftovers of an interrupted staging (of this job's folder)
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".publish.tmp-", dir=rd))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=rd))
         try:
             with writing(out):  # a full disk: one message (tmp is removed below; the previous folder stays)
                 stage(cfg, src, card, tmp)
@@ -582,7 +752,7 @@ def run(cfg: DictConfig) -> dict:
     return {**summary_out, "upload": uploaded}
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="publish")
+@stage_main("publish")
 def main(cfg: DictConfig) -> None:
     cli(run, cfg)
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import ConfigError, DataConfig, run_dir, stage_path
+from distill.config import ConfigError, DataConfig, stage_path
 from distill.models import resolve_device, resolve_dtype, tokenizer_fingerprint
 from distill.utils import writing
 from specdec.drafters import frequent_tokens
@@ -235,7 +235,7 @@ def run_draft_vocab(cfg: Any, vocab_size: int, tokenizer: Any = None) -> Optiona
     if n == 0:
         return None
     try:
-        answers = load_generated(run_dir(cfg))["response_ids"]
+        answers = load_generated(stage_path(cfg, "generate"))["response_ids"]
     except ConfigError as err:
         raise ConfigError(f"model.draft_vocab={n} ranks tokens by this run's generated answers: {err} "
                           "(or set model.draft_vocab=0 for the whole vocabulary)") from None

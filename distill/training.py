@@ -4,9 +4,11 @@ the records, mixed precision, the W&B logger.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -14,10 +16,11 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 from distill import checkpoint as ck
-from distill.config import ConfigError, run_dir, stage_path
+from distill.cli import start_stage
+from distill.config import ConfigError, stage_path
 from distill.models import load_tokenizer, resolve_device, tokenizer_fingerprint
 from distill.records import check_records_owner, data_key, load_generated
-from distill.utils import read_json, start_stage
+from distill.utils import read_json
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +29,110 @@ class TrainingDiverged(ConfigError):
     """The loss became NaN/inf; the last good checkpoint is kept."""
 
 
+@dataclass
+class TrainState:
+    """What a trainer has done so far: written into every checkpoint's trainer_state.json, restored on resume."""
+    step: int = 0
+    history: list = field(default_factory=list)  # one entry per optimizer step (and step 0's α_TF)
+    train_tokens: int = 0
+    train_s: float = 0.0  # seconds in optimizer steps
+    elapsed_s: float = 0.0  # wall time, evaluations and saves included
+    records_seen: int = 0
+    init_teacher_forced_acceptance: Optional[float] = None
+
+    def book(self, acc: Any, t: Any, batch: int, dt: float, tokens: float, elapsed_s: float,
+             budget_s: float) -> tuple[bool, bool]:
+        """Record a finished optimizer step -> (over the time budget on any process, the run's last step)."""
+        self.step += 1
+        self.records_seen = self.step * batch
+        self.train_s += dt
+        self.elapsed_s = elapsed_s
+        self.train_tokens += int(tokens)
+        over = float(acc.reduce(torch.tensor(float(elapsed_s >= budget_s), device=acc.device), "max")) > 0
+        return over, self.step >= t.max_steps or over
+
+    def trainer_state(self, max_steps: int, global_batch: int, world: int, best: dict, out) -> dict:
+        """trainer_state.json: the keys the transformers Trainer writes (global_step, log_history, ...), then
+        this state whole under "distill" (what a resume reads back)."""
+        return {"global_step": self.step, "max_steps": max_steps, "train_batch_size": global_batch,
+                "num_input_tokens_seen": self.train_tokens, "best_metric": best.get("teacher_forced_acceptance"),
+                "best_model_checkpoint": str(out / "best") if best else None, "log_history": log_history(self.history),
+                "world_size": world, "distill": dataclasses.asdict(self)}
+
+    @classmethod
+    def from_trainer_state(cls, saved: dict) -> "TrainState":
+        return cls(**saved["distill"])
+
+
+def log_history(history: list[dict]) -> list[dict]:
+    """The Trainer's log_history: a training entry per step (loss, learning_rate), an eval entry per α_TF."""
+    logs = []
+    for h in history:
+        if h.get("loss") is not None:
+            logs.append({"step": h["step"], "loss": h["loss"], "learning_rate": h.get("lr"),
+                         "tokens_per_s": h.get("tokens_per_s")})
+        if h.get("teacher_forced_acceptance") is not None:
+            logs.append({"step": h["step"], "eval_teacher_forced_acceptance": h["teacher_forced_acceptance"]})
+    return logs
+
+
+# train.* keys that change how a run goes, not the draft it makes (lr: a rerun after a divergence may lower it)
+OPERATIONAL = ("max_steps", "time_budget_min", "batch_size", "grad_accum", "eval_every", "save_every",
+               "keep_checkpoints", "resume", "gradient_checkpointing", "prompt_grad", "mixed_precision", "lr")
+
+
+def recipe(settings: dict, resuming: bool) -> dict:
+    """The settings that make a draft what it is, flattened to dotted keys, from a summary's "settings" (or
+    the same built from a config). A finished draft of another recipe is not "done" for this config; when
+    resuming unfinished checkpoints the learning rates may differ."""
+    flat: dict = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        else:
+            flat[prefix] = v
+
+    keep = {k: v for k, v in settings.items() if k in ("loss", "student", "train", "head", "draft", "draft_layers",
+                                                      "draft_init", "global_batch")}
+    walk("", keep)
+    drop = {f"train.{k}" for k in OPERATIONAL if k != "lr" or resuming} | {"head.also", "head.time_budget_min"}
+    if resuming:
+        drop.add("head.lr")
+    return {k: v for k, v in flat.items() if k not in drop}
+
+
+def settings_of(cfg: DictConfig, world: int) -> dict:
+    """What a trainer's summary records under "settings" for `cfg`, as far as `recipe` reads it."""
+    t = cfg.train
+    s = {"loss": OmegaConf.to_container(cfg.loss), "student": OmegaConf.to_container(cfg.student),
+         "train": OmegaConf.to_container(t), "global_batch": t.batch_size * world * t.grad_accum}
+    if cfg.student.kind == "head":
+        s["head"] = {k: v for k, v in OmegaConf.to_container(cfg.head).items() if k != "layers" or v is not None}
+    else:
+        s["draft"], s["draft_layers"], s["draft_init"] = cfg.model.draft, list(cfg.model.draft_layers), cfg.model.draft_init
+    return s
+
+
+def other_recipe(summary: dict, cfg: DictConfig, world: int, resuming: bool) -> list[str]:
+    """'key: saved -> now' for every setting where the draft in `summary` and `cfg` differ (keys both have)."""
+    was, now = recipe(summary.get("settings") or {}, resuming), recipe(settings_of(cfg, world), resuming)
+    return [f"{k}: {was[k]!r} -> {now[k]!r}" for k in sorted(was.keys() & now.keys()) if was[k] != now[k]]
+
+
 def check_generated(cfg: DictConfig, tok: Any) -> Any:
     """The generated records (a datasets.Dataset), after the checks that name the fix."""
-    records = load_generated(run_dir(cfg))
+    gen = stage_path(cfg, "generate")
+    records = load_generated(gen)
     if len(records) == 0:
-        raise ConfigError(f"{run_dir(cfg)}/generate holds no records; run `python -m distill.generate "
+        raise ConfigError(f"{gen} holds no records; run `python -m distill.generate "
                           f"run_name={cfg.run_name}` first")
-    man_path = stage_path(cfg, "generate") / "manifest.json"
+    man_path = gen / "manifest.json"
     if os.path.exists(man_path):
         fp = read_json(man_path).get("tokenizer_fingerprint")
         if fp and fp != tokenizer_fingerprint(tok):
-            raise ConfigError(f"{run_dir(cfg)}/generate was made with another tokenizer than {cfg.model.target}'s; "
+            raise ConfigError(f"{gen} was made with another tokenizer than {cfg.model.target}'s; "
                               "regenerate with this target (generate.overwrite=true) or choose its run_name")
     if cfg.train.teacher == "topk" and "topk_ids" not in records.column_names:
         raise ConfigError("train.teacher=topk but the generated records hold no top-k logits; "
@@ -49,7 +145,8 @@ def schedule(optimizer, t: Any, elapsed_s: Callable[[], float]) -> torch.optim.l
 
     The decay runs over train.max_steps, or over train.time_budget_min when that ends the run first:
     progress is the larger of the share of steps done and the share of the budget spent, so a run
-    stopped by its budget still ends with its learning rate annealed.
+    stopped by its budget still ends with its learning rate annealed. (transformers.get_scheduler has the
+    same shapes, but as functions of the step alone: it cannot follow a time budget.)
     """
     budget = t.time_budget_min * 60 if t.time_budget_min else math.inf
 
@@ -90,15 +187,21 @@ def open_stage(cfg: DictConfig, stage: str = "distill"):
     # whose records these are, and whose draft: checked before anything else (an "already done" included)
     check_records_owner(cfg, load_tokenizer(cfg.model.target, cfg.model.revision, cfg.model.cache_dir,
                                             trust_remote_code=cfg.model.trust_remote_code))
-    records_key = data_key(run_dir(cfg))
+    records_key = data_key(stage_path(cfg, "generate"))
     other = summary.get("target", cfg.model.target) != cfg.model.target if summary else False
     if other and (ck.checkpoints(out) or already_done(summary, cfg, out)) and t.resume == "auto":
         raise ConfigError(f"{out} holds a draft distilled for model.target={summary['target']!r}, not "
                           f"{cfg.model.target!r}; set train.resume=never to train anew for this target (it replaces "
                           "that draft), or use another run_name")
     if t.resume == "auto" and ck.checkpoints(out) and summary and summary.get("data") != records_key:
-        raise ConfigError(f"{out} holds a draft trained on other records than {run_dir(cfg)}/generate holds now; "
+        raise ConfigError(f"{out} holds a draft trained on other records than {stage_path(cfg, 'generate')} holds now; "
                           "set train.resume=never to train anew on these (it replaces that draft), or use another run_name")
+    if t.resume == "auto" and summary and (ck.checkpoints(out) or already_done(summary, cfg, out)):
+        diff = other_recipe(summary, cfg, acc.num_processes, resuming=not already_done(summary, cfg, out))
+        if diff:
+            raise ConfigError(f"{out} holds a draft trained with other settings ({'; '.join(diff)}); set "
+                              "train.resume=never to train anew with these (it replaces that draft), or use another "
+                              "run_name (a Hydra sweep, -m, gives each job its own directory)")
     if t.resume == "auto" and already_done(summary, cfg, out):
         log.info("distill: already done (step %s, best α_TF %.4f at step %s) -> %s", summary["step"],
                  summary["best_teacher_forced_acceptance"], summary["best_step"], out)
@@ -111,6 +214,38 @@ def open_stage(cfg: DictConfig, stage: str = "distill"):
     return out, acc, records_key, None
 
 
+def resume_point(out, acc: Any, model: torch.nn.Module) -> tuple[Any, TrainState]:
+    """Load the latest checkpoint that loads whole and has finite weights (model, optimizer, scheduler, RNG)
+    -> (its dir, its TrainState). Later ones that do not (truncated, corrupt, non-finite) are set aside as
+    broken-checkpoint-<step>, named with the one resumed from; ConfigError when none loads."""
+    broken, found = [], None
+    for _, path in reversed(ck.checkpoints(out)):
+        try:
+            ck.check_model_dir(path)
+            saved = ck.load_checkpoint(acc, path)
+            if not ck.all_finite(model):
+                raise ValueError("its weights are not finite")
+            found = (path, TrainState.from_trainer_state(saved))
+        except Exception as e:  # whatever a damaged file raises (SafetensorError, EOFError, UnpicklingError, ...)
+            text = str(e).strip()
+            broken.append((path, f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"))
+            continue
+        break
+    acc.wait_for_everyone()  # every process has tried them before any is renamed
+    if acc.is_main_process:
+        for path, _ in broken:
+            ck.set_aside(path, "broken")
+    acc.wait_for_everyone()
+    what = "; ".join(f"{p.name} ({why})" for p, why in broken)
+    if found is None:
+        raise ConfigError(f"no checkpoint in {out} can be resumed from: {what}; they are set aside as broken-*, so a "
+                          "rerun trains from scratch (or set train.resume=never now)")
+    for path, why in broken:
+        log.warning("distill: %s cannot be resumed from (%s); set aside as broken-%s. Resuming from the previous "
+                    "good checkpoint %s instead", path, why, path.name, found[0].name)
+    return found
+
+
 def apply_step(acc: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any, max_grad_norm: Optional[float]) -> None:
     """The optimizer step after a global batch's backward passes: clip, step, schedule, clear."""
     if max_grad_norm and max_grad_norm > 0:
@@ -120,32 +255,19 @@ def apply_step(acc: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any,
     optimizer.zero_grad(set_to_none=True)
 
 
-def book_step(state: dict, acc: Any, t: Any, step: int, batch: int, dt: float, tokens: float, elapsed_s: float,
-              budget_s: float) -> tuple[bool, bool]:
-    """Record a finished optimizer step in a trainer's state -> (over the time budget on any process,
-    the run's last step). elapsed_s: wall time so far, evaluations and saves included."""
-    state["step"] = step + 1
-    state["records_seen"] = (step + 1) * batch
-    state["train_s"] += dt
-    state["elapsed_s"] = elapsed_s
-    state["train_tokens"] += int(tokens)
-    over = float(acc.reduce(torch.tensor(float(elapsed_s >= budget_s), device=acc.device), "max")) > 0
-    return over, state["step"] >= t.max_steps or over
-
-
-def close_step(state: dict, entry: dict, t: Any, acc: Any, out, logger: "Logger", save: Callable[[int], None],
+def close_step(state: TrainState, entry: dict, t: Any, acc: Any, out, logger: "Logger", save: Callable[[int], None],
                summarize: Callable[[bool], dict], elapsed: Callable[[], float], last_step: bool, over: bool) -> bool:
     """A step's entry into the history and the logger, the periodic checkpoint, the summary after an
     evaluation; True when the time budget ends the run here."""
-    state["history"].append(entry)
+    state.history.append(entry)
     logger.log(entry)
-    if state["step"] % t.save_every == 0 or last_step:
-        save(state["step"])
-    state["elapsed_s"] = elapsed()
+    if state.step % t.save_every == 0 or last_step:
+        save(state.step)
+    state.elapsed_s = elapsed()
     if acc.is_main_process and ("teacher_forced_acceptance" in entry or last_step):
         ck.write_summary(out, summarize(False))
-    if over and state["step"] < t.max_steps:
-        log.info("distill: time budget of %.1f min reached at step %d", t.time_budget_min, state["step"])
+    if over and state.step < t.max_steps:
+        log.info("distill: time budget of %.1f min reached at step %d", t.time_budget_min, state.step)
         return True
     return False
 
@@ -172,14 +294,18 @@ def mixed_precision(setting: str, cfg: DictConfig) -> str:
 
 
 class Logger:
-    """W&B (cfg.logger=wandb, mode cfg.wandb_mode, files under the stage dir) or nothing."""
+    """W&B (cfg.logger=wandb, mode cfg.wandb_mode, files under the stage dir) or nothing. The run is named
+    <run_name>-<stage> in group <run_name> (beside the pipeline's <run_name>-results), so a draft and the head
+    trained after it (distill, distill-head) are two runs of one group."""
 
     def __init__(self, cfg: DictConfig, out, main: bool):
         self.run = None
         if main and cfg.logger == "wandb" and cfg.wandb_mode != "disabled":
             import wandb
 
-            self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name, mode=cfg.wandb_mode, dir=str(out),
+            stage = os.path.basename(os.path.normpath(str(out)))
+            self.run = wandb.init(project=cfg.wandb_project, name=f"{cfg.run_name}-{stage}", group=str(cfg.run_name),
+                                  job_type=stage, mode=cfg.wandb_mode, dir=str(out),
                                   config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
 
     def log(self, entry: dict) -> None:

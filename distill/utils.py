@@ -1,4 +1,4 @@
-"""Small helpers shared by the stages: atomic writes, the run directory, seeding, the CLI wrapper."""
+"""Small helpers shared by the stages: atomic writes, JSON, the run directory and its config record, logging by rank."""
 from __future__ import annotations
 
 import contextlib
@@ -6,16 +6,13 @@ import errno
 import json
 import logging
 import os
-import random
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distill.config import ConfigError, run_dir, stage_path, validate
+from distill.config import ConfigError, run_dir, stage_path
 
 log = logging.getLogger("distill")
 
@@ -62,43 +59,41 @@ def read_json(path: str | Path) -> Any:
 
 
 def stage_dir(cfg: DictConfig, stage: str) -> Path:
-    """runs/<run_name>/<stage> (created)."""
-    d = stage_path(cfg, stage)
+    """runs/<run_name>/<stage>, or <stage>@<tag> with cfg.stage_tag (created): where the stage being run writes."""
+    d = stage_path(cfg, stage, own=True)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
+def config_path(cfg: DictConfig, stage: Optional[str] = None) -> Path:
+    """runs/<run_name>/config.yaml, or config@<tag>.yaml: where this job records its config (stage None), or
+    where the config of the job that made `stage`'s dir (the one stage_path finds) was recorded."""
+    tag = cfg.get("stage_tag")
+    if stage is not None:
+        name = stage_path(cfg, stage).name
+        tag = name.split("@", 1)[1] if "@" in name else None
+    return Path(run_dir(cfg)) / (f"config@{tag}.yaml" if tag else "config.yaml")
+
+
 def save_config(cfg: DictConfig) -> None:
-    """runs/<run_name>/config.yaml: the resolved config of the last stage run here."""
-    atomic_write_text(Path(run_dir(cfg)) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    """runs/<run_name>/config.yaml (config@<tag>.yaml with cfg.stage_tag): the resolved config of the last
+    stage run here (with that tag), so the jobs of a stage's sweep keep one record each."""
+    atomic_write_text(config_path(cfg), OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def start_stage(cfg: DictConfig, stage: str) -> Path:
-    """Validate, record the config, seed; returns the stage's output dir. Every run(cfg) calls this."""
-    if cfg.get("gamma") is not None:  # the sweep shorthand `gamma=3,5` stands for evaluate.gammas=[3] / [5]
-        cfg.evaluate.gammas = [int(cfg.gamma)]
-    validate(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    save_config(cfg)
-    set_seed(cfg.seed)
-    return stage_dir(cfg, stage)
+def process_rank() -> int:
+    """This process's rank under `accelerate launch`/torchrun, known before accelerate starts: RANK, else
+    LOCAL_RANK; 0 for a process launched alone."""
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
-def cli(run: Callable[[DictConfig], dict], cfg: DictConfig) -> dict:
-    """Run a stage from a Hydra main: user errors become one line on stderr and exit code 2."""
-    try:
-        return run(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+def setup_logging() -> None:
+    """INFO and above on rank 0, WARNING and above on the other ranks, so a multi-process launch prints each
+    line once. Adds a handler only where none is set up (Hydra sets up its own)."""
+    level = logging.INFO if process_rank() == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)

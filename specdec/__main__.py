@@ -5,7 +5,9 @@
     python -m specdec --target DIR --prompt-lookup --prompt "..." --temperature 0.7 --top-p 0.9
     python -m specdec --target DIR --draft DIR --prompt "..." --baseline   # also time the target alone
 
-stdout: the generated text, a line "--- metrics", then the metrics as JSON.
+stdout: the generated text, a line "--- metrics", then a short summary (target and draft, γ, tokens,
+α, τ, tokens/s; with --baseline the speedup and whether greedy output equals the target's), or with
+--json every setting, counter and metric as JSON. A bad argument or input is one line on stderr, exit 2.
 
 Model arguments take a local directory or a hub id (from_pretrained). The target's chat template,
 if it has one, wraps the prompt (--raw to send the text as is). A draft that ships a draft_vocab.json
@@ -28,8 +30,24 @@ from .hub import ModelSourceError, endpoint, offline, pretrained, unreachable
 from .kv import logits_width
 
 
+EXAMPLES = """examples:
+  python -m specdec --target DIR --draft DIR --prompt "Write a haiku about caches." --gamma 4 --baseline
+  python -m specdec --target DIR --prompt-lookup --prompt "..." --temperature 0.7 --top-p 0.9
+  python -m specdec --target DIR --draft DIR --prompt "..." --baseline --json   # every counter and metric
+
+--target and --draft take a local directory or a hub id; the draft must use the target's tokenizer.
+Output: the text, a line "--- metrics", then the summary (or with --json all metrics as JSON)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints its whole usage; one line names the problem
+        print(f"error: {message}; see python -m specdec --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding of one prompt.")
+    ap = _Parser(prog="python -m specdec", description="Lossless speculative decoding of one prompt.",
+                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="target model: local dir or hub id")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--draft", help="draft model (same tokenizer as the target): local dir or hub id")
@@ -50,7 +68,45 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--baseline", action="store_true", help="also decode with the target alone; report speedup")
+    ap.add_argument("--json", action="store_true", help="print every setting, counter and metric as JSON")
     return ap
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def summary(report: dict, args: argparse.Namespace) -> str:
+    """The result in a few lines: what decoded with what, then α, τ, tokens/s and (with --baseline) speedup."""
+    if args.prompt_lookup:
+        draft = f"prompt lookup (n-grams of up to {args.max_ngram} tokens)"
+    else:
+        vocab = report.get("draft_vocab")
+        draft = args.draft + (f", draft vocabulary of {vocab} tokens" if vocab else "")
+    sampling = ("greedy" if args.temperature == 0 else
+                f"sampled at temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}, seed {args.seed}")
+    alpha = report.get("acceptance_rate")
+    lines = [
+        ("target", args.target),
+        ("draft", draft),
+        ("decoding", f"{sampling}; γ = {report['gamma']} ({report['gamma_policy']})"),
+        ("tokens", f"{report['emitted']} new in {report['wall_time_s']:.2f} s = {_num(report['tokens_per_s'], 1)} "
+                   f"tokens/s ({report['target_calls']} target calls)"),
+        ("α", f"{_num(alpha, 3)} (accepted ÷ tried draft tokens)" if alpha is not None
+              else "n/a (no draft token was tried)"),
+        ("τ", f"{_num(report.get('tokens_per_target_call'), 2)} tokens per target call"),
+    ]
+    if "speedup" in report:
+        lines.append(("speedup", f"{report['speedup']:.2f}× over the target alone "
+                                 f"({_num(report.get('baseline_tokens_per_s'), 1)} tokens/s)"))
+    else:
+        modeled = report.get("predicted_speedup")
+        lines.append(("speedup", "not measured (--baseline times the target alone)"
+                      + (f"; predicted from α, γ and c: {modeled:.2f}×" if modeled is not None else "")))
+    if "greedy_identical" in report:
+        lines.append(("identical", "yes: the same tokens as the target alone" if report["greedy_identical"]
+                      else "NO: the output differs from the target alone's"))
+    return "\n".join(f"{k:<10} {v}" for k, v in lines) + "\nevery metric: --json"
 
 
 def _load(name: str, device: str, dtype: torch.dtype, what: str):
@@ -163,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["greedy_identical"] = base.tokens == out.tokens
     report["draft_vocab"] = None if draft_ids is None else len(draft_ids)
     print("--- metrics")
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else summary(report, args))
     return 0
 
 

@@ -47,7 +47,7 @@ def test_every_group_option(group, option):
 
 def test_smoke_is_small():
     cfg = _compose("pipeline", ["experiment=smoke"])
-    assert cfg.train.max_steps <= 10 and cfg.evaluate.prompts_per_set <= 4 and cfg.logger == "none"
+    assert cfg.train.max_steps <= 10 and cfg.evaluate.prompts_per_set <= 4 and cfg.wandb_mode == "offline"  # smoke: W&B on, never online
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,12 @@ def test_best_is_chosen_by_alpha_and_rerun_returns_quickly(gen, tmp_path):
     again = distill.distill.run(cfg)
     assert again["done"] and again["step"] == 6 and time.perf_counter() - t0 < 30
     assert (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns == mtime
+    # the same run dir asked for another draft: refused with what differs, never "already done"
+    other = make_cfg(tmp_path, "best", gen["prompts"], "train.max_steps=6", "train.eval_every=1", "train.save_every=1",
+                     "train.lr=1e-2", "loss=fkl", "train.calibrate=false")
+    with pytest.raises(ConfigError, match=r"other settings \(loss.name: 'tvd' -> 'fkl'.*train.lr: 0.03 -> 0.01.*resume=never"):
+        distill.distill.run(other)
+    assert (out / "checkpoint-6" / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_best_gets_the_logit_scale_with_the_highest_holdout_alpha(gen, tmp_path):
@@ -232,6 +238,39 @@ def test_two_processes_match_one(gen, tmp_path):
     assert_same_weights(tmp_path / "one" / "distill" / "checkpoint-3", tmp_path / "two" / "distill" / "checkpoint-3", atol=1e-5)
 
 
+def test_two_process_resume_equals_uninterrupted(gen, tmp_path):
+    """Under the shipped 2-process config: accelerator.save_state / load_state carry model, optimizer,
+    scheduler and both processes' RNG (on-policy steps sample), so a resumed run equals the uninterrupted one."""
+    extra = ("train.max_steps=4", "train.save_every=2", "train.eval_every=2", "train.batch_size=2",
+             "train.on_policy_fraction=0.5", "train.on_policy_max_new_tokens=4")
+    setup_run(gen, tmp_path, "two", *extra)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "cpu-2proc.yaml"),
+           "--main_process_port", str(free_port()), "-m", "distill.distill",
+           *overrides(tmp_path, "two", gen["prompts"], *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "two" / "distill"
+
+    def launch() -> dict:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    whole = launch()
+    assert whole["settings"]["world_size"] == 2 and whole["step"] == 4
+    assert any(h.get("on_policy") for h in whole["history"]) and not all(h.get("on_policy", True) for h in whole["history"][1:])
+    shutil.copytree(out / "checkpoint-4", tmp_path / "whole-4")
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2]
+    assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= {p.name for p in (out / "checkpoint-2" / "accelerate").iterdir()}
+    # what a kill right after checkpoint-2 leaves: no checkpoint-4, a summary not done
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "summary.json").unlink()
+    resumed = launch()
+    assert resumed["step"] == 4 and losses(resumed) == pytest.approx(losses(whole), abs=1e-7)
+    assert [h.get("on_policy") for h in resumed["history"]] == [h.get("on_policy") for h in whole["history"]]
+    assert_same_weights(tmp_path / "whole-4", out / "checkpoint-4")
+
+
 def test_lora_saves_adapter_and_merged_model_that_agree(gen, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -302,7 +341,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(gen, tmp_path, monkeypatc
     with pytest.raises(TrainingDiverged, match=r"step 3 .*micro-batch 0 records .*checkpoint-2 came from .*checkpoint-1"):
         distill.distill.run(cfg)
     out = tmp_path / "nan" / "distill"
-    assert (out / "checkpoint-1" / "trainer_state" / "state.pt").exists() and not (out / "checkpoint-3").exists()
+    assert (out / "checkpoint-1" / "accelerate" / "optimizer.bin").exists() and not (out / "checkpoint-3").exists()
     assert (out / "diverged-checkpoint-2").is_dir() and [s for s, _ in ck.checkpoints(out)] == [1]
 
 

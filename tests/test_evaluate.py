@@ -12,6 +12,7 @@ from distill import evaluate
 from distill import report as rpt
 from distill.config import ConfigError
 from distill.models import load_target
+from distill.evalsets import Prompt
 from specdec.tiny import tiny_draft, tiny_model, tiny_tokenizer
 from specdec.decoder import SpeculativeDecoder
 from specdec.metrics import SpecMetrics
@@ -309,7 +310,7 @@ class FixedLogits(torch.nn.Module):
 
 @pytest.mark.parametrize("gap,tie", [(5e-5, True), (0.5, False)])
 def test_greedy_divergence_is_a_float_tie_only_below_the_gap(gap, tie):
-    es = evaluate.EvalSet("s", [evaluate.Prompt("p0", "c", [1, 2]), evaluate.Prompt("p1", "c", [3])], 0)
+    es = evaluate.EvalSet("s", [Prompt("p0", "c", [1, 2]), Prompt("p1", "c", [3])], 0)
     reference, got = [[5, 5, 5], [5, 5]], [[5, 6, 6], [5, 5]]
     bad, ties = evaluate.greedy_check(FixedLogits(gap), [p.ids for p in es.prompts], [p.id for p in es.prompts],
                                       reference, got, vocab=10)
@@ -321,7 +322,7 @@ def test_greedy_divergence_is_a_float_tie_only_below_the_gap(gap, tie):
 
 
 def test_batches_never_mix_categories():
-    ps = [evaluate.Prompt(str(i), c, [i + 1]) for i, c in enumerate("aabab")]
+    ps = [Prompt(str(i), c, [i + 1]) for i, c in enumerate("aabab")]
     es = evaluate.EvalSet("s", ps, 0)
     assert es.batches(2) == [[0, 1], [3], [2, 4]]
 
@@ -386,8 +387,8 @@ def test_trained_on_counts_evaluated_prompts_the_run_trained_on(tmp_path, caplog
     import pyarrow.parquet as pq
 
     cfg = make_cfg(tmp_path)
-    sets = [evaluate.EvalSet("a", [evaluate.Prompt(i, "c", [1]) for i in ("a-1", "a-2", "a-3")], 0),
-            evaluate.EvalSet("b", [evaluate.Prompt("b-1", "c", [1])], 0)]
+    sets = [evaluate.EvalSet("a", [Prompt(i, "c", [1]) for i in ("a-1", "a-2", "a-3")], 0),
+            evaluate.EvalSet("b", [Prompt("b-1", "c", [1])], 0)]
     assert evaluate.trained_on(cfg, sets) == {"a": 0, "b": 0}  # no generated records at all
     gen = tmp_path / "runs" / "r" / "generate"
     gen.mkdir(parents=True)

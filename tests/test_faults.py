@@ -26,7 +26,7 @@ from distill.data import load_prompts
 from distill.models import TokenizerMismatch, load_target, resolve_model_path
 from specdec.tiny import tiny_model, tiny_tokenizer
 from distill.distill import TrainingDiverged
-from distill.utils import cli
+from distill.cli import cli
 from specdec import hub
 from specdec.__main__ import main as specdec_main
 from test_evaluate import make_cfg as eval_cfg
@@ -269,7 +269,7 @@ def test_resume_falls_back_past_damaged_checkpoints_naming_them(gen, tmp_path, c
     weights_file = out / "checkpoint-4" / "model.safetensors"
     with open(weights_file, "r+b") as f:  # truncate -s: the file ends early
         f.truncate(weights_file.stat().st_size // 2)
-    (out / "checkpoint-3" / "trainer_state" / "state.pt").write_bytes(b"\0" * 100)  # a corrupt optimizer state
+    (out / "checkpoint-3" / "accelerate" / "optimizer.bin").write_bytes(b"\0" * 100)  # a corrupt optimizer state
     caplog.set_level(logging.INFO, logger="distill.distill")
     more = distill.distill.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=6"))
     log = caplog.text
@@ -281,7 +281,7 @@ def test_resume_falls_back_past_damaged_checkpoints_naming_them(gen, tmp_path, c
     assert losses(more) == losses(ref)  # resumed at step 2: the same as never interrupted
     assert_same_weights(out / "checkpoint-6", tmp_path / "whole" / "distill" / "checkpoint-6")
     for _, path in ck.checkpoints(out):
-        (path / "trainer_state" / "state.pt").write_bytes(b"")
+        (path / "trainer_state.json").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"no checkpoint in \S+ can be resumed from: checkpoint-6 \(.*rerun trains from scratch"):
         distill.distill.run(make_cfg(tmp_path, "dmg", gen["prompts"], *const, "train.max_steps=8"))
     assert ck.checkpoints(out) == [] and (out / "broken-checkpoint-6").is_dir()
@@ -407,7 +407,8 @@ def test_full_disk_while_generating_is_one_message_and_keeps_the_written_shards(
 def test_full_disk_while_saving_a_checkpoint_keeps_the_previous_one(gen, tmp_path, monkeypatch, capsys, caplog):
     cfg = setup_run(gen, tmp_path, "fullck", *NAN)
     out = tmp_path / "fullck" / "distill"
-    # torch.save runs twice per checkpoint (rng, state): the 4th call is checkpoint-2's state.pt
+    # accelerator.save_state calls torch.save three times per checkpoint (optimizer, RNG, scheduler): the 4th
+    # call is checkpoint-2's optimizer state
     monkeypatch.setattr(torch, "save", no_space(torch.save, fail_on=4))
     with pytest.raises(SystemExit) as exc:
         cli(distill.distill.run, cfg)

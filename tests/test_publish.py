@@ -52,19 +52,31 @@ def _report(greedy_identical=True):
             "rows": rows, "greedy_identical": greedy_identical, "best": {"name": "best", "gamma": 4}, "doctor": []}
 
 
+def _summary(loss="fkl", kind="full", **extra):
+    """A distill stage's summary.json as the trainers write it (settings: what trained the draft)."""
+    settings = {"loss": {"name": loss, "beta": 0.5, "temperature": 1.0, "ce_weight": 0.0},
+                "student": {"kind": kind, "lora_r": 16, "lora_alpha": 32, "freeze_layers": 0},
+                "train": {"max_steps": 6, "batch_size": 2, "grad_accum": 1, "lr": 1e-4, "schedule": "cosine",
+                          "teacher": "online", "on_policy_fraction": 0.0},
+                "global_batch": 2, "draft_init": "from_target", "draft_layers": [0, 1]}
+    settings.update(extra)
+    return {"best_step": 6, "step": 6, "init_teacher_forced_acceptance": 0.52, "best_teacher_forced_acceptance": 0.71,
+            "train_records": 20, "holdout_records": 4, "settings": settings}
+
+
 @pytest.fixture
 def run(tmp_path):
-    """A run dir as the earlier stages leave it: distill/best (+ trainer_state), summary, report."""
+    """A run dir as the earlier stages leave it: distill/best (+ a checkpoint's training state), summary, report."""
     rd = tmp_path / "runs" / RUN
     best = rd / "distill" / "best"
     best.mkdir(parents=True)
     target = load_model("tiny", device="cpu")
     tiny_draft(target, noise=0.3).save_pretrained(best)
     load_tokenizer("tiny").save_pretrained(best)
-    (best / "trainer_state").mkdir()
-    (best / "trainer_state" / "optimizer.pt").write_bytes(b"not for upload")
-    (rd / "distill" / "summary.json").write_text(json.dumps(
-        {"best_step": 6, "init_teacher_forced_acceptance": 0.52, "best_teacher_forced_acceptance": 0.71}))
+    (best / "accelerate").mkdir()
+    (best / "accelerate" / "optimizer.bin").write_bytes(b"not for upload")
+    (best / "trainer_state.json").write_text("{}")
+    (rd / "distill" / "summary.json").write_text(json.dumps(_summary()))
     (rd / "evaluate").mkdir()
     (rd / "evaluate" / "report.json").write_text(json.dumps(_report()))
     return rd
@@ -76,7 +88,7 @@ def test_staged_folder_is_a_working_assistant_model(tmp_path, run):
     assert folder == run / "publish" and out["kind"] == "model" and out["dry_run"]
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md"} <= names
-    assert "trainer_state" not in names
+    assert "trainer_state.json" not in names and "accelerate" not in names
     assert not list(run.glob(".publish.*"))  # temp dirs swapped in and gone
 
     draft = AutoModelForCausalLM.from_pretrained(folder)
@@ -101,8 +113,11 @@ def test_model_card_metadata_and_body(tmp_path, run):
     assert card.data.base_model is None  # the tiny test target has no hub id
     text = card.text
     assert "assistant_model=draft" in text
-    assert 'speculative_config={"model": "me/tiny-draft", "num_speculative_tokens": 4}' in text
+    assert ('speculative_config={"method": "draft_model", "model": "me/tiny-draft", "num_speculative_tokens": 4}'
+            in text)
+    assert """--speculative-config '{"method": "draft_model", "model": "me/tiny-draft", "num_speculative_tokens": 4}'""" in text
     assert "--speculative-algorithm STANDALONE --speculative-draft-model-path me/tiny-draft" in text
+    assert "--speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5" in text
     assert "| humaneval | distilled draft (best) | greedy | 1 | 4 | 0.720 |" in text
     assert "undistilled draft (init)" in text and "HF assisted generation" in text
     assert "0.520 before distillation → 0.710 after (step 6)" in text
@@ -184,6 +199,164 @@ def test_flagged_numbers_never_reach_the_card_and_block_an_upload(tmp_path, run,
     (run / "evaluate" / "report.json").write_text(json.dumps(report))
     card = (Path(publish.run(_cfg(tmp_path))["folder"]) / "README.md").read_text()
     assert "speedup 1.70× measured" in card and "2.11" not in card
+
+
+# ---------------------------------------------------------------- model-index, the training section, a fixed γ
+
+
+def _index(folder) -> dict:
+    """{(eval set, metric type): value} of the staged card's model-index, as huggingface_hub parses it."""
+    from huggingface_hub import EvalResult, ModelCard
+
+    results = ModelCard.load(Path(folder) / "README.md").data.eval_results
+    assert results and all(isinstance(r, EvalResult) for r in results)
+    return {(r.dataset_name, r.metric_type): r.metric_value for r in results}
+
+
+def _write_manifest(run, data, in_domain=None):
+    """generate/manifest.json as the generate stage writes it (the parts publish reads)."""
+    (run / "generate").mkdir(exist_ok=True)
+    (run / "generate" / "manifest.json").write_text(json.dumps({
+        "identity": {"data": data, "sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 24,
+                                                "num_samples": 1}},
+        "data_limit": 50, "data_self_instruct": 0, "data_in_domain": in_domain}))
+
+
+def test_model_index_holds_the_headline_row_of_each_eval_set(tmp_path, run):
+    report = _report()
+    report["settings"]["eval_sets"] = {"mt_bench": {"source": {"source": "mt_bench"}},
+                                       "humaneval": {"source": {"source": "humaneval"}},
+                                       "mt_bench_2turn": {"source": {"source": "mt_bench", "turn": 2}}}
+    report["rows"] += [
+        _row("best", "model", eval_set="mt_bench_2turn", acceptance_rate=0.44, tokens_per_target_call=1.9,
+             speedup=1.1, modeled_speedup=1.15),
+        # the same draft at other settings (sampled, batch 2, another γ): none of them is the headline
+        _row("best", "model", temperature=1.0, acceptance_rate=0.5, speedup=1.25),
+        _row("best", "model", batch_size=2, acceptance_rate=0.59, speedup=1.05),
+        _row("best", "model", gamma=2, acceptance_rate=0.66, tokens_per_target_call=1.6, speedup=1.3)]
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    _write_manifest(run, {"source": "hub", "path": "HuggingFaceH4/ultrachat_200k", "shuffle": True},
+                    in_domain={"humaneval": {"source": "humaneval", "limit": 48},
+                               "mt_bench_2turn": {"source": "mt_bench", "turn": 2}})
+    folder = Path(publish.run(_cfg(tmp_path, "publish.repo_id=me/tiny-draft"))["folder"])
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(folder / "README.md").data
+    assert data.model_name == "tiny-draft"
+    assert data.datasets == ["HuggingFaceH4/ultrachat_200k", "openai/openai_humaneval"]  # turn 2 trains nothing
+    assert {r.task_type for r in data.eval_results} == {"text-generation"}
+    assert _index(folder) == {
+        ("humaneval", "acceptance_rate"): 0.72, ("humaneval", "tokens_per_target_call"): 2.3,
+        ("humaneval", "speedup"): 1.7,
+        ("mt_bench", "acceptance_rate"): 0.61, ("mt_bench", "tokens_per_target_call"): 2.3, ("mt_bench", "speedup"): 1.4,
+        ("mt_bench_2turn", "acceptance_rate"): 0.44, ("mt_bench_2turn", "tokens_per_target_call"): 1.9,
+        ("mt_bench_2turn", "speedup"): 1.1, ("mt_bench_2turn", "modeled_speedup"): 1.15}
+    by = {r.dataset_name: r for r in data.eval_results}
+    assert by["humaneval"].dataset_type == "openai/openai_humaneval"
+    # MT-Bench's two turns come from one Hub dataset and stay two entries
+    assert by["mt_bench"].dataset_type == by["mt_bench_2turn"].dataset_type == "HuggingFaceH4/mt_bench_prompts"
+    assert by["mt_bench"].dataset_config != by["mt_bench_2turn"].dataset_config
+    assert "γ=4" in by["mt_bench"].task_name and "greedy" in by["mt_bench"].task_name
+
+
+def test_flagged_and_untimed_speedups_stay_out_of_model_index_and_table(tmp_path, run):
+    report = _report()
+    for r in report["rows"]:
+        if r["name"] == "best" and r["eval_set"] == "mt_bench":
+            r.update(speedup=2.11, modeled_speedup=1.93, flagged={"speedup": "its 95% interval [0.81, 2.90] includes 1"})
+    # γ=2 was not timed: its speedup is modeled with γ=4's costs (evaluate flags it; here even the flag is missing)
+    report["rows"] += [_row("best", "model", eval_set=s, gamma=2, speedup=None, modeled_speedup=3.33, costs_from_gamma=4)
+                       for s in ("mt_bench", "humaneval")]
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    folder = Path(publish.run(_cfg(tmp_path))["folder"])
+    index = _index(folder)
+    assert ("mt_bench", "speedup") not in index and index[("mt_bench", "modeled_speedup")] == 1.93
+    assert index[("humaneval", "speedup")] == 1.7
+    text = (folder / "README.md").read_text()
+    assert "2.11" not in text and "3.33" not in text
+    line = next(x for x in text.splitlines() if x.startswith("| mt_bench | distilled draft (best) | greedy | 1 | 4 |"))
+    assert [c.strip() for c in line.split("|")[-3:-1]] == ["n.s.", "1.93×"]
+    # the evaluation picked the untimed γ: α and τ are published there, no speedup at all
+    report["best"] = {"name": "best", "gamma": 2}
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    folder = Path(publish.run(_cfg(tmp_path))["folder"])
+    assert {metric for _, metric in _index(folder)} == {"acceptance_rate", "tokens_per_target_call"}
+    text = (folder / "README.md").read_text()
+    assert "3.33" not in text and "No speedup that the evaluation can support at γ=2" in text
+    assert "Best setting" not in text and "num_assistant_tokens = 2" in text
+
+
+def test_training_section_comes_from_the_drafts_own_summary(tmp_path, run):
+    from omegaconf import OmegaConf
+
+    _write_manifest(run, {"source": "stdlib", "shuffle": True})
+    # a later config (the run's config.yaml and the cfg given to publish) says otherwise on every field
+    later = ["loss=tvd", "student=lora", "train.lr=5e-3", "model.draft_layers=[0]", "data.source=humaneval",
+             "generate.max_new_tokens=99"]
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tmp_path, *later)))
+    text = (Path(publish.run(_cfg(tmp_path, *later))["folder"]) / "README.md").read_text()
+    training = text.split("## Training", 1)[1]
+    assert "- **loss**: FKL, temperature 1.0" in training and "TVD" not in text
+    assert "- **student**: full fine-tune; 6 steps, 2 records per step, lr 0.0001 (cosine)" in training
+    assert "layers [0, 1] of the target" in training
+    assert ("greedy, up to 24 new tokens) to prompts built from the Python standard library" in training
+            and "HumanEval" not in training and "99" not in training)
+    assert "0.520 before distillation → 0.710 after (step 6)" in training
+
+
+def test_training_section_of_a_head_is_the_heads_own(tmp_path, run):
+    from specdec.heads import FeatureHead
+    from specdec.tiny import tiny_model
+
+    head_dir = run / "distill-head" / "best"
+    FeatureHead.from_target(tiny_model(seed=0, num_layers=8), vocab_ids=torch.arange(3, 131)).save_pretrained(head_dir)
+    load_tokenizer("tiny").save_pretrained(head_dir)
+    (run / "distill-head" / "summary.json").write_text(json.dumps(_summary(
+        loss="rkl", kind="head", head={"ttt_steps": 5, "lr": 0.002, "layers": [2, 4, 5]})))
+    report = _report()
+    report["rows"] += [_row("head", "head", draft=str(head_dir), eval_set=s, speedup=1.9) for s in ("mt_bench", "humaneval")]
+    report["best"] = {"name": "head", "draft": str(head_dir), "gamma": 4}
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    out = publish.run(_cfg(tmp_path))  # publish.draft=fastest: the head; distill/summary.json says FKL
+    assert out["kind"] == "head"
+    training = (Path(out["folder"]) / "README.md").read_text().split("## Training", 1)[1]
+    assert "- **loss**: RKL, temperature 1.0; teacher: the target's full distribution\n" in training
+    assert "FKL" not in training and "λ" not in training
+    assert "feature head (EAGLE-3), training-time test over 5 steps; 6 steps, 2 records per step, lr 0.002" in training
+    assert "hidden states entering layers [2, 4, 5]" in training
+
+
+def test_transformers_snippet_proposes_gamma_tokens_every_round(tmp_path, run, monkeypatch):
+    from transformers.generation import candidate_generator as cg
+
+    report = _report()
+    for r in report["rows"]:
+        r["gamma"] = None if r["kind"] == "target" else 3
+    report["best"]["gamma"] = 3
+    (run / "evaluate" / "report.json").write_text(json.dumps(report))
+    folder = Path(publish.run(_cfg(tmp_path))["folder"])
+    text = (folder / "README.md").read_text()
+    draft = AutoModelForCausalLM.from_pretrained(folder)
+    exec("\n".join(x for x in text.splitlines() if x.startswith("draft.generation_config.")), {"draft": draft})
+    assert draft.generation_config.num_assistant_tokens == 3
+    assert draft.generation_config.num_assistant_tokens_schedule == "constant"
+
+    proposed = []  # (tokens the draft proposed, the room left before max_length) per round
+    get_candidates = cg.AssistedCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, **kw):
+        ids, logits = get_candidates(self, input_ids, **kw)
+        proposed.append((ids.shape[1] - input_ids.shape[1], self.main_model_max_length - input_ids.shape[1] - 1))
+        return ids, logits
+
+    monkeypatch.setattr(cg.AssistedCandidateGenerator, "get_candidates", spy)
+    tok = load_tokenizer(str(folder))
+    inputs = tok.apply_chat_template([{"role": "user", "content": "Count to ten."}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    with torch.no_grad():  # no EOS: every round could propose γ tokens, and with the card's settings every one does
+        load_model("tiny", device="cpu").generate(**inputs, assistant_model=draft, max_new_tokens=40, do_sample=False,
+                                                  eos_token_id=None)
+    assert len(proposed) > 5 and all(n == min(3, room) for n, room in proposed)
 
 
 def test_upload_needs_repo_id_and_draft(tmp_path, run):
