@@ -6,6 +6,9 @@ mistakes into one `ConfigError` that names the fix; stages call it before doing 
 
 Sections: model (target/draft), data (training prompts), eval_data (evaluation prompt sets),
 generate, loss, student, head (student=head), train, evaluate, publish.
+
+Why one module of this size: one schema and its validation; split, the rules would drift from the
+fields they check.
 """
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ projects the target's hidden states chunk by chunk) or the sparse top-k logits s
 stage (`TopKTeacher`). Top-k approximation: p is renormalised over its k ids and is 0 elsewhere, while
 q keeps the draft's full vocabulary (so fkl/jsd/tvd also push the draft's mass off the tail). Reverse
 KL is infinite where p = 0, so for rkl (and jsd at β = 1) q is renormalised over the same k ids too.
+
+Why one module of this size: every divergence, its chunked form and the teachers share one set of
+conventions (masks, dtypes, the mean over counted rows), and α_TF is the overlap of the same p and q.
 """
 from __future__ import annotations
 

@@ -146,9 +146,11 @@ def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
         return
     import wandb
 
+    offline = cfg.wandb_mode == "offline"
     run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, group=str(cfg.run_name), job_type="pipeline",
                      name=f"{cfg.run_name}-results", dir=str(Path(run_dir(cfg))),
-                     config=OmegaConf.to_container(cfg, resolve=True))
+                     config=OmegaConf.to_container(cfg, resolve=True), **({"settings": wandb.Settings(silent=True)} if offline else {}))
+    where = os.path.dirname(run.dir)
     try:
         run.log({"results": wandb.Table(columns=HEADERS, data=cells)})
         best = report.get("best") or {}
@@ -160,6 +162,8 @@ def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
                     run.summary[f"{r['eval_set']}/{r['name']}/{k}"] = r[k]
     finally:
         run.finish()
+    if offline:
+        log.info("pipeline: W&B offline run in %s (upload: wandb sync %s)", where, where)
 
 
 # ---------------------------------------------------------------- the pipeline

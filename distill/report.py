@@ -5,6 +5,8 @@
 The evaluate stage calls `render(report, out_dir)` and `print_summary(report)`. Everything here reads
 only report.json (shape: docs/architecture.md "report.json", and distill/evaluate.py), so a report
 can be re-rendered without models.
+
+Why one module of this size: report.md, the plots and the terminal summary all read the same rows.
 """
 from __future__ import annotations
 

@@ -304,9 +304,11 @@ class Logger:
             import wandb
 
             stage = os.path.basename(os.path.normpath(str(out)))
+            quiet = {"settings": wandb.Settings(silent=True)} if cfg.wandb_mode == "offline" else {}  # one line below
             self.run = wandb.init(project=cfg.wandb_project, name=f"{cfg.run_name}-{stage}", group=str(cfg.run_name),
                                   job_type=stage, mode=cfg.wandb_mode, dir=str(out),
-                                  config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
+                                  config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous", **quiet)
+            self.offline = cfg.wandb_mode == "offline"
 
     def log(self, entry: dict) -> None:
         if self.run:
@@ -315,4 +317,7 @@ class Logger:
     def finish(self, summary: dict) -> None:
         if self.run:
             self.run.summary.update({k: v for k, v in summary.items() if k not in ("history", "settings")})
+            where = os.path.dirname(self.run.dir)  # <stage dir>/wandb/offline-run-<time>-<id>
             self.run.finish()
+            if self.offline:
+                log.info("distill: W&B offline run in %s (upload: wandb sync %s; logger=none turns W&B off)", where, where)

@@ -17,6 +17,9 @@ One round, for every active row at once:
      than another row; see kv.py), rows that hit a stop token or the budget leave the batch.
 Prompts are encoded once (all but their last token, which opens round one); the prefix is never
 re-encoded. The draft and target timings per forward call give the cost ratio c.
+
+Why one module of this size: the round, the target-alone baseline and the γ policy share the caches
+and the counters; split, each would pass both around.
 """
 from __future__ import annotations
 

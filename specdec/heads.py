@@ -26,6 +26,9 @@ midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weigh
 lm_head.weight [draft vocab, H], d2t (int64 [draft vocab]: target id − draft id) and t2d (bool [vocab]).
 No embed_tokens: both servers share the target's. Extra layers (num_layers > 1) are written as
 layers.<i>.* (vLLM's names; SGLang's loader reads single-layer heads only).
+
+Why one module of this size: the head's layers, its unroll (the training-time test) and its EAGLE-3
+checkpoint format read and write the same weights.
 """
 from __future__ import annotations
 
