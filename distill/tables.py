@@ -1,5 +1,5 @@
 """How numbers, rows and tables look wherever the project shows them: report.md, the terminal summary,
-results.md, comparison.md and the model card (distill/report.py, pipeline.py, publish.py).
+results.md, comparison.md and the model card (distill/report.py, pipeline.py, sweep.py, card.py).
 
     num(0.6234, 3) -> "0.623"; ci_cell(0.62, [0.58, 0.66]) -> "0.62 [0.58–0.66]"; shown(row, "speedup")
     label("prompt_lookup") -> "prompt lookup (no draft)"; markdown(headers, cells); text(headers, cells)

@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
 from distill import publish
+from distill.card import base_model
 from distill.config import ConfigError
 from distill.models import draft_from_target, load_model, load_tokenizer
 from specdec.tiny import tiny_draft
@@ -157,9 +158,9 @@ def test_base_model_of_the_embedded_default():
     from omegaconf import OmegaConf
 
     m = OmegaConf.create({"target": "smollm2-135m-instruct", "draft_init": "from_target", "draft": None})
-    assert publish.base_model(m) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert base_model(m) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     m.draft_init, m.draft = "pretrained", "Qwen/Qwen2.5-0.5B-Instruct"
-    assert publish.base_model(m) == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert base_model(m) == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def test_rerun_is_a_no_op_and_changes_restage(tmp_path, run):
