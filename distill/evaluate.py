@@ -79,8 +79,8 @@ from distill.utils import atomic_write_json
 from specdec.decoder import SpeculativeDecoder, autoregressive_generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.head_drafter import HeadDrafter, head_replay_proposals
-from specdec.heads import is_head_dir, load_head
-from specdec.hybrid import HybridDrafter
+from specdec.heads import FeatureHead, is_head_dir, load_head
+from specdec.hybrid import HybridDrafter, HybridHeadDrafter
 from specdec.kv import KVModel
 from specdec.metrics import bootstrap_ci
 from specdec.replay import Proposals, draft_argmax, hybrid_proposals, lookup_proposals, model_proposals, near_ties, replay
@@ -189,6 +189,10 @@ def _candidates(cfg: DictConfig, tok) -> list[dict]:
     if "hybrid" in refs and first is not None:  # prompt lookup + the first draft
         out.append({"name": "hybrid", "kind": "hybrid", "draft": first["draft"], "model_of": first["name"],
                     "error": first["error"]})
+    head = next((c for c in out if c["kind"] == "head"), None)
+    if "hybrid" in refs and head is not None:  # prompt lookup + the first feature head
+        out.append({"name": "hybrid_head", "kind": "hybrid", "draft": head["draft"], "model_of": head["name"],
+                    "error": head["error"]})
     return out
 
 
@@ -257,6 +261,7 @@ class _Stage:
     def drafter(self, c: dict):
         model = self.models[c["name"]]
         return (PromptLookupDrafter() if c["kind"] == "prompt_lookup" else
+                HybridHeadDrafter(model) if c["kind"] == "hybrid" and isinstance(model, FeatureHead) else
                 HybridDrafter(model, vocab=self.draft_vocab) if c["kind"] == "hybrid" else
                 HeadDrafter(model) if c["kind"] == "head" else ModelDrafter(model, vocab=self.draft_vocab))
 
@@ -271,15 +276,23 @@ class _Stage:
         near-tie argmax could make decoding differ, and the first proposal's greedy agreement."""
         proposals, agree, tie_prompts = {}, {}, {}
         tfs: dict[int, list] = {}  # id(model) -> its teacher-forced argmax and gaps (a hybrid reuses its draft's)
+        heads: dict[int, list] = {}  # id(head) -> its replayed proposals and gaps per prompt (the same)
         for c in self.ok:
             name, model = c["name"], self.models[c["name"]]
             if c["kind"] == "prompt_lookup":
                 proposals[name] = [lookup_proposals(p, a) for p, a in zip(prompts, y)]
                 continue
-            if c["kind"] == "head":
-                got = [head_replay_proposals(model, self.target, p, a, self.depth) for p, a in zip(prompts, y)]
-                proposals[name] = [_block_proposals(props.tolist()) for props, _ in got]
+            if isinstance(model, FeatureHead):  # the head, or lookup + the head
+                if id(model) not in heads:
+                    heads[id(model)] = [head_replay_proposals(model, self.target, p, a, self.depth)
+                                        for p, a in zip(prompts, y)]
+                got = heads[id(model)]
+                blocks = [_block_proposals(props.tolist()) for props, _ in got]
                 tie_prompts[name] = {pid for pid, (_, gap) in zip(ids, got) if bool((gap < FLOAT_TIE_GAP).any())}
+                if c["kind"] == "hybrid":
+                    proposals[name] = [hybrid_proposals(p, a, b) for p, a, b in zip(prompts, y, blocks)]
+                    continue
+                proposals[name] = blocks
                 agree[name] = [(int((props[:, 0] == torch.tensor(a)).sum()), len(a)) for (props, _), a in zip(got, y)]
                 continue
             if id(model) not in tfs:

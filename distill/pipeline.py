@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill import report as report_mod
 from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, stage_path, validate
 from distill import tables
-from distill.publish import pick
+from distill.card import pick
 from distill.sweep import add_comparison_row, hydra_config, is_multirun, job_run_name
 from distill.cli import cli, stage_main
 from distill.utils import atomic_write_text, read_json
@@ -75,7 +75,7 @@ def headline_rows(report: dict) -> tuple[list[dict], dict]:
     draft = best.get("name") if best.get("name") not in (None, "init") else "best"
     rows = [r for r in rows if (r.get("temperature") or 0.0) == temp and (r.get("batch_size") or 1) == bs]
     trained = [n for n in dict.fromkeys(r["name"] for r in rows if r["kind"] in DRAFT_KINDS) if n not in ("init", draft)]
-    order = {n: i for i, n in enumerate(["target", "init", draft, *trained, "hf_assisted", "prompt_lookup", "hybrid"])}
+    order = {n: i for i, n in enumerate(["target", "init", draft, *trained, "hf_assisted", "prompt_lookup", "hybrid", "hybrid_head"])}
     gamma_of = {}
     for name in order:
         mine = [r for r in rows if r["name"] == name and r["kind"] not in ("target", "hf_assisted")]

@@ -150,7 +150,7 @@ def pick_best(rows: list[dict], temperatures: list[float], batch_sizes: list[int
             "flagged": flagged,
             "init_speedup": ref("model", "init") if name != "init" else None,
             "prompt_lookup_speedup": ref("prompt_lookup"),
-            "hybrid_speedup": ref("hybrid"),
+            "hybrid_speedup": ref("hybrid", "hybrid_head" if rs[0].get("kind") == "head" else "hybrid"),
             "hf_assisted_speedup": ref("hf_assisted") if temp == 0 and bs == 1 else None,
             "greedy_identical": all(r.get("greedy_identical") is not False for r in rs),
             "note": "mean over eval sets at this γ, temperature and batch size"}

@@ -11,8 +11,9 @@ from typing import Any, Optional
 # report row name -> label, in the order tables list them (a trained draft not named here sits after init)
 LABELS = {"target": "target alone", "init": "undistilled draft (init)", "best": "distilled draft (best)",
           "head": "feature head (EAGLE-3)", "hf_assisted": "HF assisted generation",
-          "prompt_lookup": "prompt lookup (no draft)", "hybrid": "hybrid (prompt lookup + draft)"}
-ORDER = {"target": 0, "init": 1, "hf_assisted": 3, "prompt_lookup": 4, "hybrid": 5}  # trained drafts: 2
+          "prompt_lookup": "prompt lookup (no draft)", "hybrid": "hybrid (prompt lookup + draft)",
+          "hybrid_head": "hybrid (prompt lookup + head)"}
+ORDER = {"target": 0, "init": 1, "hf_assisted": 3, "prompt_lookup": 4, "hybrid": 5, "hybrid_head": 6}  # trained drafts: 2
 
 
 def num(x: Any, digits: int = 2, suffix: str = "") -> str:

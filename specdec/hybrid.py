@@ -1,7 +1,8 @@
 """A hybrid drafter: prompt lookup where the context has a match, the draft model where it has none.
 
-    from specdec.hybrid import HybridDrafter
+    from specdec.hybrid import HybridDrafter, HybridHeadDrafter
     dec = SpeculativeDecoder(target, HybridDrafter(draft, vocab=ids), gamma=2)
+    dec = SpeculativeDecoder(target, HybridHeadDrafter(head), gamma=2)      # a feature head as the model
 
 Chosen per row and per round. Lookup costs nothing and is right far more often than a small model
 where the answer copies its context (a second turn rewriting the first, code repeating names); the
@@ -19,6 +20,7 @@ from typing import Sequence
 import torch
 
 from .drafters import ModelDrafter, PromptLookupDrafter
+from .head_drafter import HeadDrafter
 
 
 class HybridDrafter(ModelDrafter):
@@ -100,3 +102,88 @@ class HybridDrafter(ModelDrafter):
         self.pending = [self.pending[i] for i in rows]
         self._block = [self._block[i] for i in rows] if self._block else []
         self._model_rows = [self._model_rows[i] for i in rows] if self._model_rows else []
+
+
+class HybridHeadDrafter(HeadDrafter):
+    """Prompt lookup where the context has a match, a feature head (specdec.heads) where it has none.
+
+    As HybridDrafter, per row and per round. The head proposes from pairs with real target features
+    only, so it can sleep through lookup rounds: the pairs the target verified meanwhile (its features
+    from each verify pass, the tokens emitted) wait in the head's pending block and are fed, holes
+    for rows that emitted fewer, at the start of its next round. Its proposals therefore stay what
+    HeadDrafter alone would propose from the same sequence, and greedy replay is exact
+    (``hybrid_proposals`` over ``head_replay_proposals``). A one-token prompt's placeholder pair (no
+    target feature yet) is dropped when a lookup round comes first.
+    """
+
+    def __init__(self, head, sample: bool = True, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(head, sample=sample)
+        self.lookup = PromptLookupDrafter(max_ngram, min_ngram)
+        self._block: list[list[int]] = []
+        self._slept = False  # this round's proposals all came from lookup: the head did not run
+
+    def begin(self, context_ids, context_mask, vocab_size):
+        super().begin(context_ids, context_mask, vocab_size)
+        self.lookup.begin(context_ids, context_mask, vocab_size)
+        self._block, self._slept = [], False
+
+    def propose(self, last_tokens, k, params, generator):
+        assert k >= 1 and self._pending is not None, "observe the prefill's features before proposing"
+        found = []
+        for ctx, tok in zip(self.lookup.contexts, last_tokens.tolist()):
+            ctx.append(tok)
+            found.append(self.lookup.lookup(ctx, k))
+        self._slept = all(found)
+        if self._slept:  # lookup alone: the round's last token joins the pending pairs, the head sleeps
+            width = max(len(f) for f in found)
+            self._block = [f + [ctx[-1]] * (width - len(f)) for f, ctx in zip(found, self.lookup.contexts)]
+            feats, toks, valid = self._pending
+            last = last_tokens.to(self.device)[:, None]
+            if valid is None:
+                valid = torch.ones(feats.shape[:2], dtype=torch.bool, device=self.device)
+            if bool(self._fake.any()):  # a placeholder pair (no target feature yet) is never fed
+                valid = valid.clone()
+                valid[:, 0] &= ~self._fake
+                self._fake = torch.zeros_like(self._fake)
+            self._pending = (feats, torch.cat([toks, last], 1), valid)
+            self._k = 0
+            self._proposal = torch.tensor(self._block, dtype=torch.long, device=self.device)
+            return torch.tensor(self._block, dtype=torch.long, device=last_tokens.device), None
+        tokens, q = super().propose(last_tokens, k, params, generator)
+        for b, f in enumerate(found):
+            if f:  # a lookup row: its match (filler to k), one-hot q
+                row = f + [self.lookup.contexts[b][-1]] * (k - len(f))
+                tokens[b] = torch.tensor(row, dtype=torch.long, device=tokens.device)
+                if q is not None:
+                    q[b] = torch.nn.functional.one_hot(tokens[b], q.shape[-1]).to(q.dtype)
+        self._proposal = tokens.to(self.device)  # what the pending pairs are built from at rollback
+        self._block = tokens.tolist()
+        return tokens, q
+
+    def rollback(self, n_accepted, n_host):
+        for ctx, blk, n in zip(self.lookup.contexts, self._block, n_host):
+            ctx.extend(blk[:n])
+        if not self._slept:
+            super().rollback(n_accepted, n_host)
+            return
+        # The head did not run: append this round's verified pairs (f_{m+j}, d_{j+1}) and f_{m+n} to the
+        # pending block (left-padded per row as HeadDrafter.rollback builds them).
+        V = self._verify  # [B, w+1, F]: f_m .. f_{m+w}
+        assert V is not None, "observe the verify pass's features before rollback"
+        B, N = V.shape[0], max(n_host) + 1
+        n = n_accepted.to(self.device)
+        src = torch.arange(N, device=self.device)[None, :] - (N - 1 - n[:, None])
+        valid = src >= 0
+        src = src.clamp(min=0)
+        feats = V.gather(1, src[:, :, None].expand(B, N, V.shape[2])) * valid[:, :, None]
+        w = self._proposal.shape[1]
+        toks = self._proposal.gather(1, src[:, : N - 1].clamp(max=w - 1)) * valid[:, : N - 1]
+        old_feats, old_toks, old_valid = self._pending
+        self._pending = (torch.cat([old_feats, feats], 1), torch.cat([old_toks, toks], 1),
+                         torch.cat([old_valid, valid], 1))
+        self._verify = None
+
+    def select_rows(self, rows):
+        super().select_rows(rows)
+        self.lookup.select_rows(rows)
+        self._block = [self._block[i] for i in rows] if self._block else []

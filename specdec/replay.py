@@ -109,9 +109,10 @@ def near_ties(gap: Sequence[float], tie_gap: float) -> list[int]:
     return [i for i, g in enumerate(gap) if g < tie_gap]
 
 
-def hybrid_proposals(prompt: Sequence[int], y: Sequence[int], pred: Sequence[int],
+def hybrid_proposals(prompt: Sequence[int], y: Sequence[int], model: Sequence[int] | Proposals,
                      drafter: PromptLookupDrafter | None = None) -> Proposals:
     """Proposals of specdec.hybrid.HybridDrafter: prompt lookup's block where it finds a match, else the
-    model's (from its teacher-forced argmax ``pred``)."""
-    look, model = lookup_proposals(prompt, y, drafter), model_proposals(pred)
-    return lambda e, k: look(e, k) or model(e, k)
+    model's: its teacher-forced argmax ``pred``, or any Proposals (a feature head's, for HybridHeadDrafter)."""
+    look = lookup_proposals(prompt, y, drafter)
+    other = model if callable(model) else model_proposals(model)
+    return lambda e, k: look(e, k) or other(e, k)

@@ -18,7 +18,10 @@ from specdec import SamplingParams, SpeculativeDecoder, autoregressive_generate
 from specdec.features import FeatureTaps
 from specdec.head_drafter import HeadDrafter, head_replay_proposals
 from specdec.heads import FeatureHead, default_feature_layers, load_head
+from specdec.hybrid import HybridHeadDrafter
+from specdec.replay import hybrid_proposals, replay
 from test_specdec_decoder import _chi2_sf, _exact_first_two, _g_test, _hf_greedy
+from test_specdec_replay import COUNTERS
 
 PROMPTS = [[5, 6, 7], [9] * 9, [44], [3, 4, 5, 6, 7, 8], [100, 101], [12] * 3, [200, 1, 2, 3]]
 G_PROMPT = [5, 17, 42]
@@ -194,6 +197,74 @@ def test_sampling_distribution_matches_target(target, head):
     assert _g_test(counts, shifted) < 1e-3
     # the third token (from a later round for most rows) against plain target sampling
     base = autoregressive_generate(target, [G_PROMPT] * N, max_new_tokens=3, temperature=1.0, seed=12, eos_token_id=[])
+    table = torch.stack([torch.bincount(torch.tensor([r[2] for r in x.tokens]), minlength=259).double()
+                         for x in (res, base)])
+    table = table[:, table.sum(0) >= 10]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    g = 2 * float((table * torch.log(table.clamp(min=1e-300) / expected)).sum())
+    assert _chi2_sf(g, table.shape[1] - 1) > 1e-3
+
+
+# -- prompt lookup + head (specdec.hybrid.HybridHeadDrafter) ---------------------------------------
+class _HybridSpy(HybridHeadDrafter):
+    """Counts rounds where the head slept (every row matched) and rounds where it ran."""
+
+    def begin(self, context_ids, context_mask, vocab_size):
+        super().begin(context_ids, context_mask, vocab_size)
+        self.slept = self.ran = 0
+
+    def propose(self, last_tokens, k, params, generator):
+        out = super().propose(last_tokens, k, params, generator)
+        self.slept, self.ran = self.slept + self._slept, self.ran + (not self._slept)
+        return out
+
+
+REPEATING = [[5, 6, 7, 5, 6, 7, 5], [9] * 9, [44], [3, 4, 5, 6, 7, 8], [12] * 3, [200, 1, 2, 200, 1]]
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_hybrid_head_greedy_equals_target_while_the_head_sleeps_and_wakes(target, head, gamma):
+    ref = _hf_greedy(target, REPEATING, 30, eos=None)
+    spy = _HybridSpy(head)
+    res = SpeculativeDecoder(target, spy, gamma=gamma, eos_token_id=[]).generate(REPEATING, max_new_tokens=30)
+    assert res.tokens == ref
+    assert 0 < res.metrics.acceptance_rate < 1
+    one = [_HybridSpy(head) for _ in REPEATING[:2]]  # alone, a repeating row sleeps through lookup rounds
+    for p, d in zip(REPEATING[:2], one):
+        assert SpeculativeDecoder(target, d, gamma=gamma, eos_token_id=[]).generate([p], max_new_tokens=30).tokens[0] \
+            == _hf_greedy(target, [p], 30, eos=None)[0]
+    assert spy.ran > 0 and sum(d.slept for d in one) > 0 and sum(d.ran for d in one) > 0
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_hybrid_head_replay_equals_decoding(target, head, gamma):
+    checked = 0
+    for p in REPEATING:
+        res = SpeculativeDecoder(target, HybridHeadDrafter(head), gamma=gamma, eos_token_id=[]).generate(
+            [p], max_new_tokens=25)
+        y = res.tokens[0]
+        props, gaps = head_replay_proposals(head, target, p, y, gamma)
+        if bool((gaps < 1e-4).any()):  # a float tie could flip one argmax: not comparable exactly
+            continue
+        rows = props.tolist()
+        got = replay(y, hybrid_proposals(p, y, lambda e, k: rows[e][:k] if e < len(rows) else [-1] * k),
+                     gamma, 25, set())
+        assert {k: getattr(got, k) for k in COUNTERS} == {k: getattr(res.metrics, k) for k in COUNTERS}
+        checked += 1
+    assert checked >= 4
+
+
+def test_hybrid_head_sampling_distribution_matches_target(target, head):
+    params, N = SamplingParams(temperature=1.0), 20_000
+    prompt = [5, 17, 42, 5, 17]  # "5 17" repeats: lookup proposes in round one for every row
+    spy = _HybridSpy(head)
+    res = SpeculativeDecoder(target, spy, gamma=2, eos_token_id=[]).generate([prompt] * N, max_new_tokens=3,
+                                                                              temperature=1.0, seed=13)
+    assert spy.slept > 0 and spy.ran > 0
+    first_two = torch.tensor([r[:2] for r in res.tokens])
+    counts = torch.bincount(first_two[:, 0] * 259 + first_two[:, 1], minlength=259 * 259).double()
+    assert _g_test(counts, _exact_first_two(target, prompt, params).reshape(-1)) > 1e-3
+    base = autoregressive_generate(target, [prompt] * N, max_new_tokens=3, temperature=1.0, seed=14, eos_token_id=[])
     table = torch.stack([torch.bincount(torch.tensor([r[2] for r in x.tokens]), minlength=259).double()
                          for x in (res, base)])
     table = table[:, table.sum(0) >= 10]

@@ -190,7 +190,8 @@ def test_refuses_to_run_every_stage_in_every_accelerate_process(tmp_path, monkey
 def test_pipeline_trains_a_head_beside_the_draft_and_ships_the_faster(tmp_path):
     runs = tmp_path / "runs"
     _cli("model=tiny", "experiment=smoke", f"runs_root={runs}", "head.also=true", "head.time_budget_min=5",
-         "evaluate.drafts=[best,head]", "evaluate.temperatures=[0,1]")
+         "evaluate.drafts=[best,head]", "evaluate.temperatures=[0,1]",
+         "evaluate.references=[target,init,prompt_lookup,hybrid,hf_assisted]")
     rd = runs / "smoke"
     assert (rd / "distill" / "best" / "model.safetensors").is_file()
     head_summary = json.loads((rd / "distill-head" / "summary.json").read_text())
@@ -202,8 +203,15 @@ def test_pipeline_trains_a_head_beside_the_draft_and_ships_the_faster(tmp_path):
     # path of a head that does is tests/test_evaluate.py's)
     assert {r["eval_set"] for r in heads} == set(report["settings"]["eval_sets"])
     assert all(r["kind"] == "head" and not r.get("error") and r["teacher_forced_acceptance"] is not None for r in heads)
-    # the results table shows both kinds; publish stages the one the report ranks first
-    assert "feature head (EAGLE-3)" in (rd / "results.md").read_text()
+    # prompt lookup + the head: scored like the other hybrid, lossless where decoded
+    hybrid_head = [r for r in report["rows"] if r["name"] == "hybrid_head"]
+    assert {r["eval_set"] for r in hybrid_head} == set(report["settings"]["eval_sets"])
+    assert all(r["kind"] == "hybrid" and not r.get("error") and r["draft"] == heads[0]["draft"] for r in hybrid_head)
+    assert all(r.get("greedy_identical") is not False and not (r.get("replay_check") or {}).get("mismatches")
+               for r in hybrid_head) and any(r.get("scored_by") == "replay" for r in hybrid_head)
+    # the results table shows both kinds and both hybrids; publish stages the draft the report ranks first
+    results = (rd / "results.md").read_text()
+    assert "feature head (EAGLE-3)" in results and "hybrid (prompt lookup + head)" in results
     best = report["best"]
     published = json.loads((rd / "publish.json").read_text())
     assert best["name"] in ("best", "head") and published["kind"] == ("head" if best["name"] == "head" else "model")
