@@ -48,7 +48,7 @@ def counts_fields(m: SpecMetrics, parts: list[SpecMetrics], cats: dict[str, list
 
 
 def decoded_row(timed: Timed, base: Timed, es: EvalSet, bs: int, baseline_step: Optional[float], **info) -> dict:
-    """A row from decoding the timed subset: counters of the last repeat, median wall times."""
+    """A row from decoding the timed subset: counters and timers of the median repeat, median wall times."""
     m = timed.metrics(bs)
     m.baseline_target_step_s = baseline_step
     parts = [r.metrics for r in timed.results]

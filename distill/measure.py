@@ -77,7 +77,7 @@ class Timed:
     """One decoder's timed runs over the timed subset."""
 
     walls: list[list[float]]  # [repeat][batch] seconds
-    results: list[DecodeResult]  # per batch, from the last repeat
+    results: list[DecodeResult]  # per batch, from the repeat of median total wall time (its costs' source)
     batches: list[list[int]]  # indices into the timed prompts
 
     def totals(self) -> list[float]:
@@ -101,20 +101,25 @@ def time_decoders(decoders: list[Decode], prompts: list[list[int]], batches: lis
                   repeats: int, seed: int) -> list[Timed]:
     """Warm each decoder up on the first batch (untimed, WARMUP_TOKENS tokens), then time `repeats` passes
     over every batch, interleaved (repeat r runs every decoder in turn) so drift on a shared machine hits
-    all alike."""
+    all alike. Each decoder keeps the results (counters and timers) of its repeat with the median total
+    wall time, the statistic its measured speedup uses, so one slow or fast repeat does not set its costs."""
     for decode in decoders:
         for _ in range(warmup):
             decode([prompts[i] for i in batches[0]], seed, WARMUP_TOKENS)
     out = [Timed([], [], batches) for _ in decoders]
+    kept: list[list[list[DecodeResult]]] = [[] for _ in decoders]  # [decoder][repeat] results per batch
     for _ in range(repeats):
-        for decode, t in zip(decoders, out):
+        for decode, t, k in zip(decoders, out, kept):
             walls, results = [], []
             for j, b in enumerate(batches):
                 t0 = time.perf_counter()
                 results.append(decode([prompts[i] for i in b], seed + j))
                 walls.append(time.perf_counter() - t0)
             t.walls.append(walls)
-            t.results = results
+            k.append(results)
+    for t, k in zip(out, kept):
+        order = sorted(range(len(k)), key=lambda r: t.totals()[r])
+        t.results = k[order[(len(order) - 1) // 2]] if order else []
     return out
 
 
@@ -130,7 +135,7 @@ def measured_speedup(base: Timed, spec: Timed) -> dict:
 # -- the cost model -------------------------------------------------------------------------------
 @dataclass
 class Costs:
-    """Seconds per unit, measured on the timed subset (last repeat's counters and timers). A verify call
+    """Seconds per unit, measured on the timed subset (the median repeat's counters and timers). A verify call
     scoring k proposals costs verify_base_s + k · verify_token_s: the line through the target-alone step
     (k = 0) and the speculative run's mean verify call at its mean k, so one timed γ models every γ."""
 

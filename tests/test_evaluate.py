@@ -2,13 +2,14 @@
 α = 1 and τ = γ + 1, greedy mismatches fail loudly, drafts resolve from names and globs, bad input
 gives one clear message (exit 2), a broken checkpoint among many becomes an error row."""
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from distill import evaluate
+from distill import evaluate, measure
 from distill import report as rpt
 from distill.config import ConfigError
 from distill.models import load_target
@@ -447,3 +448,18 @@ def test_feature_head_is_replayed_timed_and_checked(run_root):
     (sampled,) = [r for r in rows if r["temperature"] == 1.0]
     assert sampled["scored_by"] == "decoding" and sampled["draft_sampled"] and sampled["modeled_speedup"] is not None
     assert report["best"]["name"] == "head" and report["greedy_identical"]
+
+
+def test_timed_decoders_keep_the_results_of_their_median_repeat(monkeypatch):
+    """Costs come from the repeat whose total wall time is the median, not from whichever ran last."""
+    clock = iter([0.0, 5.0, 10.0, 13.0, 20.0, 21.0])  # start/stop per repeat: walls 5, 3, 1 -> median repeat 1
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
+    calls = []
+
+    def decode(batch, seed, n=None):
+        calls.append(len(calls))
+        return SimpleNamespace(tokens=[[len(calls) - 1]], metrics=None)
+
+    (t,) = measure.time_decoders([decode], [[1, 2]], [[0]], warmup=0, repeats=3, seed=0)
+    assert t.totals() == [5.0, 3.0, 1.0]
+    assert t.results[0].tokens == [[1]]  # the second repeat's (3.0 s, the median), not the last one's
