@@ -23,6 +23,17 @@ from .drafters import ModelDrafter, PromptLookupDrafter
 from .head_drafter import HeadDrafter
 
 
+def lookup_rows(tokens: torch.Tensor, q: torch.Tensor | None, found: list[list[int]], contexts: list[list[int]]) -> None:
+    """In a model round's block (tokens [B, k], q [B, k, V] or None), put each matched row's lookup: its
+    match, filled to k with the context's last token, with a one-hot q."""
+    k = tokens.shape[1]
+    for b, f in enumerate(found):
+        if f:
+            tokens[b] = torch.tensor(f + [contexts[b][-1]] * (k - len(f)), dtype=torch.long, device=tokens.device)
+            if q is not None:
+                q[b] = torch.nn.functional.one_hot(tokens[b], q.shape[-1]).to(q.dtype)
+
+
 class HybridDrafter(ModelDrafter):
     """Prompt lookup rows and draft-model rows in one batch (see the module docstring).
 
@@ -58,12 +69,7 @@ class HybridDrafter(ModelDrafter):
             self._block = [f + [ctx[-1]] * (width - len(f)) for f, ctx in zip(found, self.lookup.contexts)]
             return torch.tensor(self._block, dtype=torch.long, device=last_tokens.device), None
         tokens, q = self._model_block(k, params, generator, last_tokens.device)  # [B, k], [B, k, V] | None
-        for b, f in enumerate(found):
-            if f:  # a lookup row: its match (filler to k), one-hot q
-                row = f + [self.lookup.contexts[b][-1]] * (k - len(f))
-                tokens[b] = torch.tensor(row, dtype=torch.long, device=tokens.device)
-                if q is not None:
-                    q[b] = torch.nn.functional.one_hot(tokens[b], q.shape[-1]).to(q.dtype)
+        lookup_rows(tokens, q, found, self.lookup.contexts)
         self._block = tokens.tolist()
         return tokens, q
 
@@ -150,12 +156,7 @@ class HybridHeadDrafter(HeadDrafter):
             self._proposal = torch.tensor(self._block, dtype=torch.long, device=self.device)
             return torch.tensor(self._block, dtype=torch.long, device=last_tokens.device), None
         tokens, q = super().propose(last_tokens, k, params, generator)
-        for b, f in enumerate(found):
-            if f:  # a lookup row: its match (filler to k), one-hot q
-                row = f + [self.lookup.contexts[b][-1]] * (k - len(f))
-                tokens[b] = torch.tensor(row, dtype=torch.long, device=tokens.device)
-                if q is not None:
-                    q[b] = torch.nn.functional.one_hot(tokens[b], q.shape[-1]).to(q.dtype)
+        lookup_rows(tokens, q, found, self.lookup.contexts)
         self._proposal = tokens.to(self.device)  # what the pending pairs are built from at rollback
         self._block = tokens.tolist()
         return tokens, q
