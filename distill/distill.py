@@ -189,12 +189,13 @@ def _run_standalone(cfg: DictConfig) -> dict:
     bar = tqdm(total=int(r.budget_s) if timed else t.max_steps, initial=int(r.state.elapsed_s) if timed else r.state.step,
                unit="s" if timed else "step", desc=f"distill ({t.time_budget_min:g} min budget)" if timed else "distill",
                disable=not acc.is_main_process)
+    alpha_now = next((h["teacher_forced_acceptance"] for h in reversed(r.state.history)
+                      if h.get("teacher_forced_acceptance") is not None), None)  # the latest, resumed runs included
     r.start_clock()
     while r.state.step < t.max_steps:
         entry, over, last_step = train_step(r)
         stop = evaluate_and_save(r, entry, logger, last_step, over)
-        alpha_now = next((h["teacher_forced_acceptance"] for h in reversed(r.state.history)
-                          if h.get("teacher_forced_acceptance") is not None), None)
+        alpha_now = entry.get("teacher_forced_acceptance", alpha_now)
         bar.update(min(int(r.state.elapsed_s), bar.total) - bar.n if timed else 1)
         bar.set_postfix(step=r.state.step, loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}",
                         alpha_tf=f"{alpha_now:.3f}" if alpha_now is not None else "-")

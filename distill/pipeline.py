@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from distill import report as report_mod
 from distill.config import DRAFT_KINDS, STAGES, ConfigError, run_dir, stage_path, validate
@@ -42,7 +42,7 @@ from distill import tables
 from distill.card import pick
 from distill.sweep import add_comparison_row, hydra_config, is_multirun, job_run_name
 from distill.cli import cli, stage_main
-from distill.utils import atomic_write_text, read_json
+from distill.utils import atomic_write_text, read_json, wandb_finish, wandb_start
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,7 @@ def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
         return
     import wandb
 
-    offline = cfg.wandb_mode == "offline"
-    run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, group=str(cfg.run_name), job_type="pipeline",
-                     name=f"{cfg.run_name}-results", dir=str(Path(run_dir(cfg))),
-                     config=OmegaConf.to_container(cfg, resolve=True), **({"settings": wandb.Settings(silent=True)} if offline else {}))
-    where = os.path.dirname(run.dir)
+    run = wandb_start(cfg, f"{cfg.run_name}-results", "pipeline", run_dir(cfg))
     try:
         run.log({"results": wandb.Table(columns=HEADERS, data=cells)})
         best = report.get("best") or {}
@@ -161,9 +157,7 @@ def log_wandb(cfg: DictConfig, cells: list[list[str]], report: dict) -> None:
                 if isinstance(r.get(k), (int, float)) and k not in (r.get("flagged") or {}):
                     run.summary[f"{r['eval_set']}/{r['name']}/{k}"] = r[k]
     finally:
-        run.finish()
-    if offline:
-        log.info("pipeline: W&B offline run in %s (upload: wandb sync %s)", where, where)
+        wandb_finish(run, cfg, "pipeline")
 
 
 # ---------------------------------------------------------------- the pipeline

@@ -20,7 +20,7 @@ from distill.cli import start_stage
 from distill.config import ConfigError, stage_path
 from distill.models import load_tokenizer, resolve_device, tokenizer_fingerprint
 from distill.records import check_records_owner, data_key, load_generated
-from distill.utils import read_json
+from distill.utils import read_json, wandb_finish, wandb_start
 
 log = logging.getLogger(__name__)
 
@@ -299,16 +299,10 @@ class Logger:
     trained after it (distill, distill-head) are two runs of one group."""
 
     def __init__(self, cfg: DictConfig, out, main: bool):
-        self.run = None
+        self.run, self.cfg = None, cfg
         if main and cfg.logger == "wandb" and cfg.wandb_mode != "disabled":
-            import wandb
-
             stage = os.path.basename(os.path.normpath(str(out)))
-            quiet = {"settings": wandb.Settings(silent=True)} if cfg.wandb_mode == "offline" else {}  # one line below
-            self.run = wandb.init(project=cfg.wandb_project, name=f"{cfg.run_name}-{stage}", group=str(cfg.run_name),
-                                  job_type=stage, mode=cfg.wandb_mode, dir=str(out),
-                                  config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous", **quiet)
-            self.offline = cfg.wandb_mode == "offline"
+            self.run = wandb_start(cfg, f"{cfg.run_name}-{stage}", stage, out)
 
     def log(self, entry: dict) -> None:
         if self.run:
@@ -317,7 +311,4 @@ class Logger:
     def finish(self, summary: dict) -> None:
         if self.run:
             self.run.summary.update({k: v for k, v in summary.items() if k not in ("history", "settings")})
-            where = os.path.dirname(self.run.dir)  # <stage dir>/wandb/offline-run-<time>-<id>
-            self.run.finish()
-            if self.offline:
-                log.info("distill: W&B offline run in %s (upload: wandb sync %s; logger=none turns W&B off)", where, where)
+            wandb_finish(self.run, self.cfg, "distill")

@@ -97,3 +97,21 @@ def setup_logging() -> None:
     level = logging.INFO if process_rank() == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)
+
+
+def wandb_start(cfg: DictConfig, name: str, job_type: str, where: str | Path) -> Any:
+    """A W&B run named `name` in group <run_name>, mode cfg.wandb_mode, files under `where`. Offline it is
+    quiet: `wandb_finish` says in one line where it is and how to sync it."""
+    import wandb
+
+    quiet = {"settings": wandb.Settings(silent=True)} if cfg.wandb_mode == "offline" else {}
+    return wandb.init(project=cfg.wandb_project, name=name, group=str(cfg.run_name), job_type=job_type,
+                      mode=cfg.wandb_mode, dir=str(where), config=OmegaConf.to_container(cfg, resolve=True),
+                      reinit="finish_previous", **quiet)
+
+
+def wandb_finish(run: Any, cfg: DictConfig, who: str) -> None:
+    where = os.path.dirname(run.dir)  # <dir>/wandb/offline-run-<time>-<id>
+    run.finish()
+    if cfg.wandb_mode == "offline":
+        log.info("%s: W&B offline run in %s (upload: wandb sync %s; logger=none turns W&B off)", who, where, where)

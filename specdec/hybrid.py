@@ -23,6 +23,21 @@ from .drafters import ModelDrafter, PromptLookupDrafter
 from .head_drafter import HeadDrafter
 
 
+def match_rows(lookup: PromptLookupDrafter, last_tokens: torch.Tensor, k: int) -> list[list[int]]:
+    """Add each row's last token to its lookup context -> each row's match (up to k tokens; [] for none)."""
+    found = []
+    for ctx, tok in zip(lookup.contexts, last_tokens.tolist()):
+        ctx.append(tok)
+        found.append(lookup.lookup(ctx, k))
+    return found
+
+
+def lookup_block(found: list[list[int]], contexts: list[list[int]]) -> list[list[int]]:
+    """A round where every row matched: each row's match, filled to the longest with its context's last token."""
+    width = max(len(f) for f in found)
+    return [f + [ctx[-1]] * (width - len(f)) for f, ctx in zip(found, contexts)]
+
+
 def lookup_rows(tokens: torch.Tensor, q: torch.Tensor | None, found: list[list[int]], contexts: list[list[int]]) -> None:
     """In a model round's block (tokens [B, k], q [B, k, V] or None), put each matched row's lookup: its
     match, filled to k with the context's last token, with a one-hot q."""
@@ -57,16 +72,13 @@ class HybridDrafter(ModelDrafter):
 
     def propose(self, last_tokens, k, params, generator):
         assert k >= 1, "a round with no proposal is a plain target step; do not call propose"
-        found = []
-        for ctx, pend, tok in zip(self.lookup.contexts, self.pending, last_tokens.tolist()):
-            ctx.append(tok)
+        found = match_rows(self.lookup, last_tokens, k)
+        for pend, tok in zip(self.pending, last_tokens.tolist()):
             pend.append(tok)
-            found.append(self.lookup.lookup(ctx, k))
         self._model_rows = [not f for f in found]
         self._ran = any(self._model_rows)
         if not self._ran:  # every row has a match: lookup alone, deterministic
-            width = max(len(f) for f in found)
-            self._block = [f + [ctx[-1]] * (width - len(f)) for f, ctx in zip(found, self.lookup.contexts)]
+            self._block = lookup_block(found, self.lookup.contexts)
             return torch.tensor(self._block, dtype=torch.long, device=last_tokens.device), None
         tokens, q = self._model_block(k, params, generator, last_tokens.device)  # [B, k], [B, k, V] | None
         lookup_rows(tokens, q, found, self.lookup.contexts)
@@ -135,14 +147,10 @@ class HybridHeadDrafter(HeadDrafter):
 
     def propose(self, last_tokens, k, params, generator):
         assert k >= 1 and self._pending is not None, "observe the prefill's features before proposing"
-        found = []
-        for ctx, tok in zip(self.lookup.contexts, last_tokens.tolist()):
-            ctx.append(tok)
-            found.append(self.lookup.lookup(ctx, k))
+        found = match_rows(self.lookup, last_tokens, k)
         self._slept = all(found)
         if self._slept:  # lookup alone: the round's last token joins the pending pairs, the head sleeps
-            width = max(len(f) for f in found)
-            self._block = [f + [ctx[-1]] * (width - len(f)) for f, ctx in zip(found, self.lookup.contexts)]
+            self._block = lookup_block(found, self.lookup.contexts)
             feats, toks, valid = self._pending
             last = last_tokens.to(self.device)[:, None]
             if valid is None:

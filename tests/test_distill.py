@@ -178,8 +178,10 @@ def test_best_gets_the_logit_scale_with_the_highest_holdout_alpha(gen, tmp_path)
     torch.testing.assert_close(weights(out / "best")["model.norm.weight"], best["model.norm.weight"], atol=0, rtol=0)
 
 
-def test_resume_equals_uninterrupted(gen, tmp_path):
-    extra = ("train.max_steps=4", "train.save_every=2", "train.eval_every=2")
+def resume_after_checkpoint_2(gen, tmp_path, *extra: str):
+    """Train 4 steps in run a, and in run b as a kill right after checkpoint-2 leaves it, then resumed;
+    asserts b equals a (weights and losses) -> b's config (both kinds of student use this)."""
+    extra = (*extra, "train.max_steps=4", "train.save_every=2", "train.eval_every=2")
     a = distill.distill.run(setup_run(gen, tmp_path, "a", *extra))
     cfg_b = setup_run(gen, tmp_path, "b", *extra)
     distill.distill.run(cfg_b)
@@ -191,6 +193,11 @@ def test_resume_equals_uninterrupted(gen, tmp_path):
     assert b["step"] == 4
     assert_same_weights(tmp_path / "a" / "distill" / "checkpoint-4", out_b / "checkpoint-4")
     assert losses(a) == pytest.approx(losses(b), abs=1e-7)
+    return cfg_b
+
+
+def test_resume_equals_uninterrupted(gen, tmp_path):
+    resume_after_checkpoint_2(gen, tmp_path)
 
 
 def test_kill_9_then_resume_equals_uninterrupted(gen, tmp_path):

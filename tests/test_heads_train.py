@@ -6,7 +6,6 @@ the head of highest held-out α_TF and reloads, resume equals an uninterrupted r
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from distill.heads_train import measure_head
 from specdec import SpeculativeDecoder
 from specdec.head_drafter import HeadDrafter
 from specdec.heads import load_head
-from test_distill import assert_same_weights, gen, losses, make_cfg, setup_run  # noqa: F401 (gen: a fixture)
+from test_distill import assert_same_weights, gen, losses, make_cfg, resume_after_checkpoint_2, setup_run  # noqa: F401 (gen: a fixture)
 
 HEAD = ("student=head", "head.lr=1e-2", "head.ttt_steps=3")
 
@@ -74,18 +73,7 @@ def test_head_with_draft_vocabulary_and_topk_teacher(gen, tmp_path):
 
 
 def test_head_resume_equals_uninterrupted(gen, tmp_path):
-    extra = (*HEAD, "train.max_steps=4", "train.save_every=2", "train.eval_every=2")
-    a = distill.distill.run(setup_run(gen, tmp_path, "a", *extra))
-    cfg_b = setup_run(gen, tmp_path, "b", *extra)
-    distill.distill.run(cfg_b)
-    out_b = tmp_path / "b" / "distill"
-    # what a kill right after checkpoint-2 leaves: no checkpoint-4, a summary not done
-    shutil.rmtree(out_b / "checkpoint-4")
-    (out_b / "summary.json").unlink()
-    b = distill.distill.run(cfg_b)
-    assert b["step"] == 4
-    assert_same_weights(tmp_path / "a" / "distill" / "checkpoint-4", out_b / "checkpoint-4")
-    assert losses(a) == pytest.approx(losses(b), abs=1e-7)
+    cfg_b = resume_after_checkpoint_2(gen, tmp_path, *HEAD)
     again = distill.distill.run(cfg_b)  # done: nothing is trained again
     assert again["done"] and again["step"] == 4
 
